@@ -1,0 +1,47 @@
+"""Command-line flags generated from pydantic config fields, so flags map 1:1 onto fields.
+
+`--max-model-len 512` sets `max_model_len`; booleans get `--flag` / `--no-flag`. Only flags the
+user actually gives are returned, so a YAML file's values survive unless a flag overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group(f"{model.__name__} fields")
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        kind, choices = _flag_type(field.annotation)
+        flag = "--" + name.replace("_", "-")
+        help_text = (field.description or "") + f" (default: {field.default!r})"
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS, help=help_text)
+
+
+def given_fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The config fields the user set on the command line (defaults are suppressed)."""
+    return {name: value for name, value in vars(args).items() if name in model.model_fields}
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list | None]:
+    """(argparse type, choices) for a field annotation such as `int | None` or a Literal."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if origin is Literal:
+        values = [a for a in args if a is not None]
+        return type(values[0]), values
+    if annotation in (int, float, str, bool):
+        return annotation, None
+    return str, None

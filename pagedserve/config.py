@@ -1,0 +1,247 @@
+"""Every knob of the engine as a pydantic field, and what it resolves to for a given checkpoint.
+
+`EngineConfig` is what a user sets (keyword arguments of `LLM`, YAML keys and CLI flags map 1:1
+onto its fields). `ModelConfig` is what the engine derives from it and the checkpoint's
+`config.json`: both travel to the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEMO_MODEL = "demo"
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# The CPU has no memory profiler to size the cache from; tests build many engines in one process.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class EngineConfig(BaseModel):
+    """The engine's arguments (vLLM's names). Unknown names are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="A local Hugging Face checkpoint folder, or 'demo'.")
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's.")
+    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    enforce_eager: bool = False
+    max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_is_power_of_two(cls, value: int) -> int:
+        if value < 1 or value > 256 or value & (value - 1):
+            raise ValueError("must be a power of two between 1 and 256")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_fits_without_chunking(self) -> EngineConfig:
+        budget, limit = self.max_num_batched_tokens, self.max_model_len
+        if not self.enable_chunked_prefill and budget is not None and limit is not None:
+            if budget < limit:
+                raise ValueError(
+                    f"max_num_batched_tokens ({budget}) must be >= max_model_len ({limit}) "
+                    "when enable_chunked_prefill is False: a whole prompt must fit in one step"
+                )
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, turning pydantic's report into one readable ValueError."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as error:
+            raise ValueError(describe_validation_error(error, "engine argument")) from None
+
+
+def describe_validation_error(error: ValidationError, what: str) -> str:
+    """One line per problem: the field, the value given, and what is allowed."""
+    lines = []
+    for item in error.errors():
+        name = ".".join(str(part) for part in item["loc"]) or "(config)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown {what} '{name}'")
+        else:
+            given = f" (got {item['input']!r})" if "input" in item and item["loc"] else ""
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{what} '{name}'{given}: {message}")
+    return "; ".join(lines)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine and the workers derive from `EngineConfig` and the checkpoint."""
+
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    hf_config: Any  # transformers.PretrainedConfig: picklable, read by the model classes
+    dtype: torch.dtype
+    device: str  # "cpu" or "cuda"
+    max_model_len: int
+    vocab_size: int  # rows of the embedding; may exceed the tokenizer's size (padding)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: tuple[int, ...]  # every id that ends a request unless ignore_eos
+
+    @property
+    def max_num_batched_tokens_default(self) -> int:
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+
+
+def resolve_model_config(config: EngineConfig) -> ModelConfig:
+    """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape."""
+    model_path = resolve_model_path(config.model)
+    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    hf_config = _load_hf_config(model_path)
+    architecture = _architecture_of(hf_config, model_path)
+    device = resolve_device(config.device)
+    num_heads = hf_config.num_attention_heads
+    return ModelConfig(
+        model_path=str(model_path),
+        tokenizer_path=str(tokenizer_path),
+        architecture=architecture,
+        hf_config=hf_config,
+        dtype=_resolve_dtype(config.dtype, hf_config, device),
+        device=device,
+        max_model_len=_resolve_max_model_len(config.max_model_len, hf_config),
+        vocab_size=hf_config.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        eos_token_ids=_eos_token_ids(model_path, hf_config),
+    )
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == DEMO_MODEL:
+        from pagedserve.demo import ensure_demo_model
+
+        return ensure_demo_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model folder '{model}' does not exist (give a local Hugging Face checkpoint "
+            f"folder, or '{DEMO_MODEL}' for the built-in demo model; no model hub is reached)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder '{path}' has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"model folder '{path}' has no *.safetensors weights "
+            "(PyTorch .bin checkpoints are not supported)"
+        )
+    return path
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def _load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:
+        raise ValueError(f"cannot read {path / 'config.json'}: {error}") from None
+
+
+def _architecture_of(hf_config: Any, path: Path) -> str:
+    architectures = getattr(hf_config, "architectures", None) or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"unsupported architecture {architectures or '(none given)'} in {path / 'config.json'}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = _DTYPES.get(checkpoint, torch.float32)
+    # A float32 checkpoint on a GPU runs in bfloat16, as vLLM does: float32 halves throughput.
+    if checkpoint in (None, torch.float32):
+        return torch.bfloat16
+    return checkpoint
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # Sliding-window attention is not implemented: cap the length where it makes no difference.
+        limit = min(limit, window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds what the model supports ({limit}, from "
+            "max_position_embeddings or sliding_window in config.json)"
+        )
+    return requested
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (which may list several) and config.json."""
+    ids: list[int] = []
+    generation = path / "generation_config.json"
+    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, hf_config):
+        value = source.get("eos_token_id") if isinstance(source, dict) else source.eos_token_id
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "pagedserve"

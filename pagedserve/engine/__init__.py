@@ -1,0 +1,1 @@
+"""The driver side: requests, scheduler, KV block manager, detokenizer, LLM."""

@@ -1,0 +1,105 @@
+"""The KV cache's blocks: reference counts, chained prefix hashes, and LRU reuse.
+
+A full block is named by `hash(parent block's hash, its token ids)`, so equal prefixes name equal
+blocks. A block whose last user frees it keeps its hash and its K/V: it goes to the back of the
+free queue, where it can still be found by hash and revived, until allocation reaches it at the
+front and evicts it (least recently freed first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """sha256 over the parent's hash and the tokens: a collision would silently reuse another
+    prompt's K/V, so a cryptographic hash is worth its microsecond."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set once the block is full and registered
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # Blocks with ref_cnt 0, least recently freed first. An OrderedDict gives O(1) removal of a
+        # revived block from the middle.
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Fresh blocks (ref_cnt 1) from the front of the free queue, evicting their old hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference to blocks found in the prefix cache (reviving freed ones)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; blocks reaching zero join the back of the free queue in the order
+        given, so callers pass a request's tail blocks first (they are evicted first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash. If an equal block is already registered (two
+        requests computed the same prefix at once) the first stays and this one stays anonymous."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (the K/V contents are gone, e.g. after a worker restart)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None

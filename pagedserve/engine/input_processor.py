@@ -1,0 +1,87 @@
+"""Prompts in, token ids out: tokenization and every check a request must pass before it is
+queued. Bad input stops here with a `ValueError` that says what was wrong and what is allowed;
+nothing of it reaches the scheduler or a worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.sampling_params import SamplingParams
+
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
+PromptType = Union[str, dict]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig, max_cached_tokens: int):
+        self.tokenizer = tokenizer
+        self.engine_config = engine_config
+        self.model_config = model_config
+        self.max_cached_tokens = max_cached_tokens  # the whole KV cache, in tokens
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        processed = self._tokenize(prompt)
+        self._check_prompt(processed.prompt_token_ids)
+        self._check_params(params, len(processed.prompt_token_ids))
+        return processed
+
+    def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; allowed: 'prompt' or 'prompt_token_ids'")
+            if "prompt_token_ids" in prompt:
+                return ProcessedPrompt(prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]))
+            if isinstance(prompt.get("prompt"), str):
+                return ProcessedPrompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]))
+        raise ValueError(
+            f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; got {type(prompt).__name__}"
+        )
+
+    def _token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return list(token_ids)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        limit = self.engine_config.max_logprobs
+        if params.logprobs is not None and params.logprobs > limit:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={limit}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_len = self.model_config.max_model_len
+        max_tokens = params.max_tokens or max(max_len - num_prompt_tokens, 1)
+        needed = min(num_prompt_tokens + max_tokens - 1, max_len)
+        if needed > self.max_cached_tokens:
+            raise ValueError(
+                f"the request may need {needed} tokens of KV cache (prompt {num_prompt_tokens} + "
+                f"max_tokens {max_tokens}), more than the whole cache holds ({self.max_cached_tokens}); "
+                "lower max_tokens or give the cache more memory"
+            )

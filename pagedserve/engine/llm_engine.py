@@ -1,0 +1,117 @@
+"""The synchronous engine: add requests, step, read outputs.
+
+A step is: schedule -> execute on the workers -> update the scheduler -> detokenize and build
+outputs. The engine reaches the model only through its `Executor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from pagedserve.config import EngineConfig, ModelConfig, resolve_model_config
+from pagedserve.engine.input_processor import InputProcessor, PromptType
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request_output import RequestOutput
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.workers.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_config = resolve_model_config(config)
+        self.tokenizer = load_tokenizer(model_config.tokenizer_path)
+        self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
+        self.executor = Executor.create(config, self.model_config)
+        try:
+            num_blocks = self._initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.model_config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.input_processor = InputProcessor(self.tokenizer, config, self.model_config, num_blocks * config.block_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def _initialize_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_kv_blocks()
+        if num_blocks < 1:
+            raise ValueError(
+                "the KV cache holds no block: give it more memory (kv_cache_memory_bytes, "
+                "gpu_memory_utilization) or set num_gpu_blocks_override"
+            )
+        self.executor.initialize_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises ValueError (queueing nothing) on bad input."""
+        processed = self.input_processor.process(prompt, params)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time)
+        for child_id, child_params in children:
+            request = Request(
+                child_id, processed.prompt_token_ids, child_params, self.eos_token_ids, self.model_config.max_model_len, arrival_time
+            )
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        child_ids = self.output_processor.abort_requests(ids)
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        # An idle step still runs when requests ended, so the workers drop their state.
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = ModelRunnerOutput.empty()
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return request_outputs
+
+    def shutdown(self) -> None:
+        executor, self.executor = getattr(self, "executor", None), None
+        if executor is not None:
+            executor.shutdown()
+
+
+def _with_tokenizer_eos(model_config: ModelConfig, tokenizer: Any) -> ModelConfig:
+    """The tokenizer's EOS ends requests too, even when config.json does not name it."""
+    eos = tokenizer.eos_token_id
+    if eos is None or eos in model_config.eos_token_ids:
+        return model_config
+    return dataclasses.replace(model_config, eos_token_ids=(*model_config.eos_token_ids, eos))

@@ -1,0 +1,178 @@
+"""Turns the scheduler's per-step token news into `RequestOutput`s: detokenizes, applies stop
+strings, assembles logprobs, and merges the n completions of a request.
+
+A request with n > 1 runs as n independent scheduler requests ("children", ids `i_<id>`); the
+parent collects them. Streaming kinds emit each child's progress as it comes; FINAL_ONLY emits one
+output holding all n completions when the last one finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.outputs import EngineCoreOutput, TokenLogprobs
+from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{index}_{request_id}"
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)  # finished children
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.completions) == self.params.n
+
+
+class RequestState:
+    """One scheduler request's user-facing progress."""
+
+    def __init__(self, parent: ParentRequest, index: int, params: SamplingParams, detokenizer: IncrementalDetokenizer):
+        self.parent = parent
+        self.index = index
+        self.params = params
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.num_sent_tokens = 0  # for DELTA outputs
+
+    def completion(self, finish_reason: str | None, stop_reason: int | str | None) -> CompletionOutput:
+        finished = finish_reason is not None
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        start = self.num_sent_tokens if delta else 0
+        self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.get_next_output_text(finished, delta),
+            token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.states: dict[str, RequestState] = {}  # by child (scheduler) request id
+        self.parents: dict[str, ParentRequest] = {}  # by user request id
+        self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> list[tuple[str, SamplingParams]]:
+        """Register a user request; returns the (child id, params) to schedule."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time))
+        self.parents[request_id] = parent
+        children = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else child_request_id(request_id, index)
+            child_params = params if params.n == 1 else params.for_child(index)
+            detok = IncrementalDetokenizer(self.tokenizer, self.vocab_size, prompt_token_ids, child_params)
+            self.states[child_id] = RequestState(parent, index, child_params, detok)
+            children.append((child_id, child_params))
+        return children
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        n = parent.params.n
+        return [request_id] if n == 1 else [child_request_id(request_id, i) for i in range(n)]
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; returns the scheduler ids to abort."""
+        child_ids = []
+        for request_id in request_ids:
+            for child_id in self.child_ids(request_id):
+                if self.states.pop(child_id, None) is not None:
+                    child_ids.append(child_id)
+            self.parents.pop(request_id, None)
+        return child_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to deliver, and the scheduler ids a stop string ended (to abort)."""
+        now = time.monotonic()
+        request_outputs, stopped_by_string = [], []
+        for out in outputs:
+            state = self.states.get(out.req_id)
+            if state is None:
+                continue
+            finish_reason, stop_reason = self._update(state, out, now)
+            if finish_reason == "stop" and isinstance(stop_reason, str) and out.finish_reason is None:
+                stopped_by_string.append(out.req_id)
+            if finish_reason is not None:
+                del self.states[out.req_id]
+            request_output = self._make_output(state, finish_reason, stop_reason, out.num_cached_tokens)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return request_outputs, stopped_by_string
+
+    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> tuple[str | None, int | str | None]:
+        metrics = state.parent.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        state.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and state.logprobs is not None:
+            self._append_logprobs(state, out.new_logprobs)
+        stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
+        if stop_string is not None:
+            return "stop", stop_string  # a stop string wins over a length cap in the same token
+        return out.finish_reason, out.stop_reason
+
+    def _append_logprobs(self, state: RequestState, lp: TokenLogprobs) -> None:
+        entry = {}
+        for rank_in_top, (token_id, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            rank = lp.sampled_rank if rank_in_top == 0 else rank_in_top
+            if token_id not in entry:
+                entry[token_id] = Logprob(value, rank, self._decode_token(token_id))
+        state.logprobs.append(entry)
+        state.cumulative_logprob += lp.logprobs[0]
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if token_id < self.vocab_size else ""
+            self._token_text[token_id] = text
+        return text
+
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason: int | str | None, num_cached: int) -> RequestOutput | None:
+        parent = state.parent
+        parent.num_cached_tokens = max(parent.num_cached_tokens, num_cached)
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = state.completion(finish_reason, stop_reason)
+        if finished:
+            parent.completions[state.index] = completion
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not parent.finished:
+                return None
+            completions = [parent.completions[i] for i in range(parent.params.n)]
+        else:
+            completions = [completion]
+        if parent.finished:
+            parent.metrics.finished_time = time.monotonic()
+            del self.parents[parent.request_id]
+        return RequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, completions, parent.finished, parent.num_cached_tokens, parent.metrics
+        )

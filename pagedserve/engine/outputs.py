@@ -1,0 +1,91 @@
+"""The types that cross the engine <-> worker boundary (pickled by Ray each step), and the
+scheduler's per-request result that the output processor turns into user-facing outputs.
+
+Keep them small: a step carries full data only for requests the workers have not seen, and diffs
+for the rest, because this is sent to every worker every iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers hold no state for: first scheduled, or resumed after preemption or
+    a worker restart (then `token_ids` includes the outputs so far and `num_computed_tokens` is
+    whatever the prefix cache supplied)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output tokens known so far
+    num_prompt_tokens: int  # penalties treat prompt and output tokens differently
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the workers already hold, as parallel lists (cheaper to pickle)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Tokens appended since the workers last saw the request (the token sampled last step).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended to its table
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests run and how many tokens each computes."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests whose worker state must be dropped: finished, aborted or preempted since last step.
+    finished_req_ids: set[str]
+
+    @classmethod
+    def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position, from the raw logits (before penalties and temperature)."""
+
+    token_ids: list[int]  # the sampled token first, then the top-N (it may appear twice)
+    logprobs: list[float]  # parallel to token_ids
+    sampled_rank: int  # 1-based rank of the sampled token among the whole vocabulary
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the sampling rank returns: one token for each request that reached the end of its
+    known tokens this step (a partial prefill chunk samples nothing)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]  # parallel to req_ids
+    logprobs: dict[str, TokenLogprobs] | None = None  # only requests that asked for them
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls([], [])
+
+
+@dataclass
+class EngineCoreOutput:
+    """The scheduler's news about one request after a step (engine-internal)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id (or, later, stop string)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

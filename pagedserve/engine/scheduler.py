@@ -1,0 +1,227 @@
+"""The scheduler: one token budget per step, no separate prefill and decode phases.
+
+Algorithm. Each request knows `num_tokens` (prompt + outputs) and `num_computed_tokens` (K/V
+already in the cache). A step gives requests tokens to close that gap, spending at most
+`max_num_batched_tokens`:
+
+1. Running requests first, oldest first. Each gets its whole gap (1 token when decoding) or what
+   is left of the budget (a prefill chunk). When the pool has no blocks for it, the newest running
+   request is preempted (blocks freed, computed count reset, back to the front of the waiting
+   queue) until the allocation fits, possibly preempting the request itself.
+2. Then, if nothing was preempted this step, waiting requests in arrival order while the budget,
+   `max_num_seqs` and the pool allow. Each first adopts its prefix-cache hits, which skip compute.
+   Without chunked prefill a prompt that does not fit in the remaining budget waits.
+
+`update_from_output` then advances the computed counts, appends sampled tokens, checks the
+token-level stop conditions, and frees the blocks of finished requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool,
+    ):
+        self.kv = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they started running
+        self.finished_req_ids: set[str] = set()  # workers drop these at the next step
+        self.num_preemptions_total = 0
+        self._preempted_this_step = False
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        assert status.is_finished
+        ended = set()
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = status
+            self._free(request)
+            ended.add(req_id)
+        if ended:
+            self.running = [r for r in self.running if r.request_id not in ended]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in ended)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+
+        self._preempted_this_step = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request with nothing to compute: {request}"
+            new_blocks = self._allocate_or_preempt(request, num_new)
+            if new_blocks is None:  # the request preempted itself; everything older is scheduled
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._add_cached(cached, request, new_blocks)
+            index += 1
+
+        # After a preemption the pool is tight: admitting new requests would only thrash.
+        while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(self._new_request_data(request))
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - budget, finished)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        logprobs = runner_output.logprobs or {}
+        outputs = []
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended (aborted) while the step ran
+            request.num_computed_tokens += num_tokens
+            token_id = sampled.get(req_id)
+            if token_id is None:
+                continue  # a prefill chunk that has not reached the end of the prompt
+            request.append_output_token_id(token_id)
+            status = self._check_stop(request)
+            if status is not None:
+                request.status = status
+                self._free(request)
+                any_finished = True
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    logprobs.get(req_id),
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    max(request.num_cached_tokens, 0),
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list | None:
+        """Blocks for the request, preempting the newest running requests until they fit.
+        None if the request had to preempt itself."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_tokens_on_workers = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._preempted_this_step = True
+        self.finished_req_ids.add(request.request_id)
+        # Victims go newest first, each to the front: the queue keeps arrival order.
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        token_id = request.output_token_ids[-1]
+        if token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        request.num_tokens_on_workers = request.num_tokens
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _add_cached(self, cached: CachedRequestData, request: Request, new_blocks: list) -> None:
+        cached.req_ids.append(request.request_id)
+        cached.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
+        request.num_tokens_on_workers = request.num_tokens
+        cached.new_block_ids.append([block.block_id for block in new_blocks])
+        cached.num_computed_tokens.append(request.num_computed_tokens)

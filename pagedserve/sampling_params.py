@@ -1,0 +1,173 @@
+"""Per-request sampling knobs with vLLM's names and ranges, validated at construction.
+
+This module imports nothing from the project: the engine validates requests with it and the
+workers' sampler reads it (it travels inside `NewRequestData`).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature a request is greedy (as vLLM): dividing by it would overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries the whole text and token ids so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # a single output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s). Bad values raise `ValueError`."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.is_greedy:
+            # Truncation is meaningless for argmax; normalising keeps the sampler's fast path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters held back from streamed text: they may be the start of a stop string."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Params of the `index`-th of `n` completions: each is its own request with n=1.
+
+        A seeded parent gives child i the seed `seed + i`, so the n completions differ but the
+        whole set is reproducible (as vLLM does).
+        """
+        child = copy.copy(self)
+        child.n = 1
+        if self.seed is not None:
+            child.seed = self.seed + index
+        return child
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        child = copy.copy(self)
+        for name, value in changes.items():
+            setattr(child, name, value)
+        return child
+
+    def _check_types(self) -> None:
+        _expect(self, "n", int)
+        _expect(self, "temperature", float)
+        _expect(self, "top_p", float)
+        _expect(self, "top_k", int)
+        _expect(self, "min_p", float)
+        _expect(self, "seed", int, optional=True)
+        _expect(self, "max_tokens", int, optional=True)
+        _expect(self, "min_tokens", int)
+        _expect(self, "presence_penalty", float)
+        _expect(self, "frequency_penalty", float)
+        _expect(self, "repetition_penalty", float)
+        _expect(self, "logprobs", int, optional=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            _fail("output_kind", self.output_kind, "a RequestOutputKind")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                _fail("stop", stop, "a string or a list of strings")
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(s == "" for s in stop or []):
+            _fail("stop", self.stop, "non-empty strings")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple))
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
+            _fail("stop_token_ids", ids, "a list of non-negative token ids")
+
+    def _check_ranges(self) -> None:
+        if self.n < 1:
+            _fail("n", self.n, "n >= 1")
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "temperature >= 0")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "0 < top_p <= 1")
+        if self.top_k < -1:
+            _fail("top_k", self.top_k, "-1 or 0 (disabled) or top_k >= 1")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "0 <= min_p <= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                _fail(name, getattr(self, name), f"-2 <= {name} <= 2")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "repetition_penalty > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "max_tokens >= 1 (or None: up to max_model_len)")
+        if self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "min_tokens >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"min_tokens <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            _fail("logprobs", self.logprobs, "logprobs >= 0 (or None)")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            _fail("seed", self.seed, "a 64-bit signed integer")
+
+
+def _expect(params: SamplingParams, name: str, kind: type, optional: bool = False) -> None:
+    value = getattr(params, name)
+    if value is None and optional:
+        return
+    # bool is an int subclass: reject it so `max_tokens=True` is not taken for 1.
+    ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+    if not ok:
+        wanted = "a number" if kind is float else "an integer"
+        _fail(name, value, wanted + (" or None" if optional else ""))
+    if kind is float:
+        if not math.isfinite(value):
+            _fail(name, value, "a finite number")
+        setattr(params, name, float(value))
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: allowed is {allowed}")

@@ -1,0 +1,1 @@
+"""Executor and workers: model runner, models, layers, sampler, parallel state."""

@@ -1,0 +1,44 @@
+"""The engine's only way to the model: `execute_model(SchedulerOutput) -> ModelRunnerOutput`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Owns the workers. Subclasses decide where they run (in-process, Ray actors)."""
+
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig):
+        self.engine_config = engine_config
+        self.model_config = model_config
+
+    @staticmethod
+    def create(engine_config: EngineConfig, model_config: ModelConfig) -> Executor:
+        world_size = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+        backend = engine_config.distributed_executor_backend or ("ray" if world_size > 1 else "uni")
+        if backend == "uni":
+            if world_size > 1:
+                raise ValueError(
+                    f"distributed_executor_backend='uni' runs one rank in-process; "
+                    f"tensor_parallel_size x pipeline_parallel_size = {world_size} needs 'ray'"
+                )
+            from pagedserve.workers.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor(engine_config, model_config)
+        raise ValueError("distributed_executor_backend='ray' is not available in this build yet")
+
+    @abstractmethod
+    def determine_num_kv_blocks(self) -> int:
+        """The KV block count every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        """Release the workers; safe to call more than once."""

@@ -1,0 +1,105 @@
+"""Per-request state kept on a worker between steps, and the tensors of one step built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagedserve.engine.outputs import SchedulerOutput
+from pagedserve.kernels import AttentionMetadata
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What a worker remembers of a request; updated by each step's diffs."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to compute logits for
+    sampled_states: list[CachedRequestState]  # parallel to logits_indices
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_step_inputs(
+    scheduler_output: SchedulerOutput, requests: dict[str, CachedRequestState], block_size: int, device: torch.device
+) -> StepInputs:
+    """Flatten the scheduled requests into one ragged batch, decodes first (the attention
+    backends vectorize the single-token queries at the front)."""
+    counts = scheduler_output.num_scheduled_tokens
+    order = [r for r, n in counts.items() if n == 1] + [r for r, n in counts.items() if n > 1]
+    states = [requests[req_id] for req_id in order]
+    num_scheduled = np.fromiter((counts[r] for r in order), dtype=np.int64, count=len(order))
+    num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(order))
+    query_start_loc = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_lens = num_computed + num_scheduled
+
+    input_ids = list(chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, num_computed.tolist(), num_scheduled.tolist())))
+    # Token i of request r is at position num_computed[r] + (i - query_start_loc[r]).
+    positions = np.arange(num_tokens) + np.repeat(num_computed - query_start_loc[:-1], num_scheduled)
+    block_tables = _block_table(states, seq_lens, block_size)
+    request_index = np.repeat(np.arange(len(order)), num_scheduled)
+    slot_mapping = block_tables[request_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    # A request samples when this step reaches the end of its known tokens.
+    known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=len(order))
+    samples = seq_lens == known
+    logits_indices = query_start_loc[1:][samples] - 1
+    sampled_states = [s for s, flag in zip(states, samples.tolist()) if flag]
+
+    query_lens_host = num_scheduled.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=_to(slot_mapping, device),
+        query_start_loc=_to(query_start_loc.astype(np.int32), device),
+        seq_lens=_to(seq_lens.astype(np.int32), device),
+        block_tables=_to(block_tables, device),
+        num_decodes=sum(1 for n in query_lens_host if n == 1),
+        max_query_len=max(query_lens_host),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_host=query_start_loc.tolist(),
+        seq_lens_host=seq_lens.tolist(),
+    )
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=_to(positions, device),
+        meta=meta,
+        logits_indices=_to(logits_indices, device),
+        sampled_states=sampled_states,
+    )
+
+
+def _block_table(states: list[CachedRequestState], seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Rows of block ids, padded with block 0 (never read: attention masks past seq_len)."""
+    num_blocks = -(-seq_lens // block_size)
+    table = np.zeros((len(states), int(num_blocks.max())), dtype=np.int32)
+    for row, (state, n) in enumerate(zip(states, num_blocks.tolist())):
+        table[row, :n] = state.block_ids[:n]
+    return table
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.to(device, non_blocking=True) if device.type != "cpu" else tensor

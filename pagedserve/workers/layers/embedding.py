@@ -1,0 +1,48 @@
+"""Vocabulary-parallel embedding and LM head: each TP rank owns a contiguous range of token ids.
+
+The vocabulary is padded up to a multiple of the TP size; padding rows are zero and their logits
+are cut off after the gather, so a vocabulary that does not divide evenly works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.workers.layers.linear import new_parameter
+from pagedserve.workers.parallel_state import ParallelContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelContext):
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = new_parameter(self.rows_per_rank, hidden_size, loader=self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+        num_rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        is_mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(is_mine, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * is_mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.parallel.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits of this rank's vocabulary range, gathered to the first TP rank."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.parallel.gather_to_first(F.linear(hidden, self.weight))
+        return logits[:, : self.vocab_size] if logits is not None else None

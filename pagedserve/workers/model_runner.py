@@ -1,0 +1,128 @@
+"""Runs one rank's share of a step: keep request state, build inputs, forward, sample.
+
+With pipeline parallelism a stage receives the previous stage's hidden states instead of
+embedding tokens, and sends its own to the next; only the driver rank (last stage, first TP rank)
+samples and returns a `ModelRunnerOutput`. Every other rank returns None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedserve.kernels import get_attention_backend
+from pagedserve.workers.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from pagedserve.workers.model_loader import load_model
+from pagedserve.workers.parallel_state import ParallelContext
+from pagedserve.workers.sampler import Sampler, SamplerOutput
+from pagedserve.workers.sampling_metadata import build_sampling_batch
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, parallel: ParallelContext, device: torch.device):
+        self.engine_config = engine_config
+        self.model_config = model_config
+        self.parallel = parallel
+        self.device = device
+        self.block_size = engine_config.block_size
+        self.backend = get_attention_backend(engine_config.attention_backend, device.type)
+        self.sampler = Sampler(engine_config.seed, device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_config, self.parallel, self.backend, self.device)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_config.hf_config.hidden_size
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        attn = layers[0]
+        element = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * element
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per local layer. Zeroed: padded
+        block-table entries point at block 0, and masked-out garbage must not be NaN."""
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            attn.kv_cache = (cache[0], cache[1])
+            self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A forward pass at the step's largest size, before the cache exists, to measure peak memory."""
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.model_config.max_model_len
+        hidden = self._forward(input_ids, positions, None)
+        if hidden is not None and self.parallel.is_last_stage:
+            rows = min(num_tokens, self.engine_config.max_num_seqs)
+            self.model.compute_logits(hidden[:rows])
+
+    # ---- a step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty() if self.parallel.is_driver else None
+        inputs = build_step_inputs(scheduler_output, self.requests, self.block_size, self.device)
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
+        if hidden is None or not inputs.sampled_states:
+            return ModelRunnerOutput.empty() if self.parallel.is_driver else None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not self.parallel.is_driver:
+            return None
+        batch = build_sampling_batch(inputs.sampled_states, self.model_config.eos_token_ids, logits.shape[-1], self.device)
+        return _to_runner_output(inputs.sampled_states, self.sampler(logits, batch))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:
+        """This stage's part of the forward pass; None on every stage but the last."""
+        meta = inputs.meta if inputs is not None else None
+        hidden = None
+        if not self.parallel.is_first_stage:
+            shape = (input_ids.shape[0], self.hidden_size)
+            hidden = self.parallel.recv_from_previous_stage(shape, self.model_config.dtype, self.device)
+        hidden = self.model(input_ids, positions, meta, hidden)
+        if not self.parallel.is_last_stage:
+            self.parallel.send_to_next_stage(hidden)
+            return None
+        return hidden
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids), new.num_computed_tokens
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, tokens, blocks, num_computed in zip(
+            cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.token_ids.extend(tokens)
+            state.block_ids.extend(blocks)
+            state.num_computed_tokens = num_computed
+
+
+def _to_runner_output(states: list[CachedRequestState], out: SamplerOutput) -> ModelRunnerOutput:
+    req_ids = [s.req_id for s in states]
+    result = ModelRunnerOutput(req_ids, out.sampled_token_ids.tolist())
+    if out.logprobs is None:
+        return result
+    ids, values, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+    result.logprobs = {}
+    for row, state in enumerate(states):
+        n = state.sampling_params.logprobs
+        if n is not None:
+            result.logprobs[state.req_id] = TokenLogprobs(ids[row][: n + 1], values[row][: n + 1], ranks[row])
+    return result

@@ -1,0 +1,181 @@
+"""The Llama family: Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm).
+
+One decoder serves all four; `DecoderOptions` names what differs. Layers follow Hugging Face's
+order of operations so float32 results match it. With pipeline parallelism a stage holds only its
+own layers (keyed by their global index, so checkpoint names map unchanged); the first stage holds
+the embedding, the last the final norm and LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import AttentionBackend, AttentionMetadata
+from pagedserve.workers.layers.activation import SiluAndMul
+from pagedserve.workers.layers.attention import Attention
+from pagedserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from pagedserve.workers.layers.norm import RMSNorm
+from pagedserve.workers.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.workers.parallel_state import ParallelContext, layer_range
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def for_architecture(cls, architecture: str, hf_config: Any) -> DecoderOptions:
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        if architecture == "Qwen2ForCausalLM":
+            return cls(qkv_bias=True)
+        if architecture == "Qwen3ForCausalLM":
+            return cls(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+        return cls(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=mlp_bias)
+
+
+# Checkpoint projections that live inside one merged parameter: (merged, original, shard id).
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads, num_kv_heads, opts.qkv_bias, parallel)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.rotary = rotary
+        qkv = self.qkv_proj
+        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, head_dim**-0.5, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        head_dim = self.attn.head_dim
+        q, k = q.reshape(-1, q_size // head_dim, head_dim), k.reshape(-1, kv_size // head_dim, head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], opts.mlp_bias, parallel)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, opts.mlp_bias, parallel)
+        self.act = SiluAndMul()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, opts, parallel, rotary, backend)
+        self.mlp = LlamaMLP(cfg, opts, parallel)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.parallel = parallel
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(cfg))
+        stage_layers = layer_range(cfg.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(cfg, opts, parallel, rotary, backend) for i in stage_layers}
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 embeds `input_ids`; later stages continue from the previous stage's `hidden`."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
+        for layer in self.layers.values():
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden) if self.norm is not None else hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: Any, architecture: str, parallel: ParallelContext, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.parallel = parallel
+        opts = DecoderOptions.for_architecture(architecture, cfg)
+        self.model = LlamaModel(cfg, opts, parallel, backend, max_positions)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_last_stage else None
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the last stage, complete on the first TP rank (None on the others)."""
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy this rank's shard of each checkpoint tensor into place; returns what was loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for target in self._targets(name, params):
+                param_name, shard_id = target
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor, shard_id)
+                loaded.add(param_name)
+        return loaded
+
+    def _targets(self, name: str, params: dict) -> list[tuple[str, Any]]:
+        """Which of this rank's parameters a checkpoint tensor feeds (none if another stage owns it)."""
+        if "rotary_emb.inv_freq" in name:
+            return []
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return []  # tied: the embedding matrix is the LM head
+        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and "model.embed_tokens.weight" not in params:
+            name = "lm_head.weight"  # a later pipeline stage holds the tied head without the embedding
+        for merged, original, shard_id in STACKED_PARAMS:
+            if f".{original}." in name:
+                merged_name = name.replace(f".{original}.", f".{merged}.")
+                return [(merged_name, shard_id)] if merged_name in params else []
+        return [(name, None)] if name in params else []

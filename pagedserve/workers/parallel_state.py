@@ -1,0 +1,80 @@
+"""Where this rank sits in the tensor- and pipeline-parallel grid, and the collectives it uses.
+
+Ranks are laid out `rank = pp_rank * tp_size + tp_rank`: a pipeline stage is a contiguous run of
+ranks. At world size 1 every collective is a no-op, so the models need no special case.
+The context is passed explicitly to every layer that needs it (no module-level globals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelContext:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None  # torch.distributed group of this rank's stage (None at tp_size 1)
+    pp_group: Any = None  # torch.distributed group of ranks with this tp_rank (None at pp_size 1)
+    tp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks in tp_group
+    pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks in pp_group
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """The one rank that samples and returns tokens: the last stage's first TP rank."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate the TP ranks' last-dim shards on TP rank 0; the others get None."""
+        if self.tp_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(tensor, parts, dst=self.tp_ranks[0], group=self.tp_group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def send_to_next_stage(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.contiguous(), dst=self.pp_ranks[self.pp_rank + 1], group=self.pp_group)
+
+    def recv_from_previous_stage(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=self.pp_ranks[self.pp_rank - 1], group=self.pp_group)
+        return tensor
+
+
+def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """Contiguous layers of one stage; when they do not divide evenly the first stages get one more."""
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator

@@ -1,0 +1,142 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds,
+and logprobs.
+
+Logprobs come from the raw logits, before penalties, temperature and truncation (vLLM's default).
+Random rows sample by the exponential race, argmax(p / q) with q ~ Exp(1), which equals sampling
+from p. A seeded request draws its q from a generator seeded by (seed, output index): the token
+depends only on its own logits, seed and position, not on the batch it shares, nor on whether it
+was preempted or its worker restarted in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.sampling_params import GREEDY_TEMPERATURE_EPS
+
+
+@dataclass
+class Penalties:
+    presence: torch.Tensor  # [rows] float
+    frequency: torch.Tensor  # [rows] float
+    repetition: torch.Tensor  # [rows] float
+    prompt_mask: torch.Tensor  # [rows, vocab] bool: token occurs in the prompt
+    output_counts: torch.Tensor  # [rows, vocab] float: occurrences among the outputs
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step, built by the model runner."""
+
+    temperature: torch.Tensor  # [rows] float; rows below GREEDY_TEMPERATURE_EPS are greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [rows] long; vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None = None  # [rows] float; None if no row uses it
+    min_p: torch.Tensor | None = None  # [rows] float; None if no row uses it
+    seeds: dict[int, int] = field(default_factory=dict)  # row -> per-step seed of a seeded request
+    penalties: Penalties | None = None
+    banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
+    num_logprobs: list[int | None] | None = None  # per row; None when no row asked
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] long
+    # With logprobs: [rows, 1 + max N] ids and logprobs (sampled token first), and its rank.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+        if batch.banned_tokens or batch.penalties is not None:
+            logits = logits.clone()
+            _ban_tokens(logits, batch.banned_tokens)
+            if batch.penalties is not None:
+                _apply_penalties(logits, batch.penalties)
+        sampled = self._sample(logits, batch)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled)
+        return SamplerOutput(sampled, *_gather_logprobs(raw_logprobs, sampled, batch.num_logprobs))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
+        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.min_p is not None:
+            probs = apply_min_p(probs, batch.min_p)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in batch.seeds.items():
+            row_generator = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=row_generator)
+        random = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, random)
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """A 63-bit seed for one position of a seeded request (splitmix64 of the pair)."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        vocab = logits.shape[-1]
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= 1 - top_p.unsqueeze(1)
+        outside[:, -1] = False  # the most likely token always stays
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+    for row, token_ids in banned.items():
+        logits[row, token_ids] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """vLLM's order: repetition (prompt and output tokens), then frequency and presence (outputs)."""
+    seen = p.prompt_mask | (p.output_counts > 0)
+    repetition = torch.where(seen, p.repetition.unsqueeze(1), torch.ones_like(logits))
+    logits.copy_(torch.where(logits > 0, logits / repetition, logits * repetition))
+    logits -= p.frequency.unsqueeze(1) * p.output_counts
+    logits -= p.presence.unsqueeze(1) * (p.output_counts > 0).to(logits.dtype)
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_n = max(n or 0 for n in num_logprobs)
+    sampled_logprob = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_logprob).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (logprobs[:, :0], sampled[:, None][:, :0])
+    ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
+    values = torch.cat([sampled_logprob, top_logprobs], dim=1)
+    return ids, values, ranks

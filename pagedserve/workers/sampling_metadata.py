@@ -1,0 +1,73 @@
+"""Turn the sampled requests' parameters into the sampler's per-row tensors.
+
+The common cases stay cheap: an all-greedy batch without penalties or logprobs builds one small
+tensor, and each optional feature costs only when some row uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.workers.input_batch import CachedRequestState
+from pagedserve.workers.sampler import Penalties, SamplingBatch, step_seed
+
+
+def build_sampling_batch(
+    states: list[CachedRequestState], eos_token_ids: tuple[int, ...], vocab_size: int, device: torch.device
+) -> SamplingBatch:
+    params = [s.sampling_params for s in states]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    batch = SamplingBatch(temperature=temperature, all_greedy=all(p.is_greedy for p in params))
+    if not batch.all_greedy:
+        if any(p.top_k > 0 for p in params):
+            top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            batch.top_k = torch.tensor(top_k, dtype=torch.long, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        batch.seeds = {
+            row: step_seed(p.seed, s.num_output_tokens)
+            for row, (s, p) in enumerate(zip(states, params))
+            if p.seed is not None and not p.is_greedy
+        }
+    batch.banned_tokens = _min_tokens_bans(states, eos_token_ids)
+    if any(p.has_penalties for p in params):
+        batch.penalties = _penalties(states, vocab_size, device)
+    if any(p.logprobs is not None for p in params):
+        batch.num_logprobs = [p.logprobs for p in params]
+    return batch
+
+
+def _min_tokens_bans(states: list[CachedRequestState], eos_token_ids: tuple[int, ...]) -> dict[int, list[int]]:
+    """Rows still short of min_tokens may not sample a token that would stop them."""
+    bans = {}
+    for row, state in enumerate(states):
+        p = state.sampling_params
+        if state.num_output_tokens < p.min_tokens:
+            stoppers = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            if stoppers:
+                bans[row] = stoppers
+    return bans
+
+
+def _penalties(states: list[CachedRequestState], vocab_size: int, device: torch.device) -> Penalties:
+    rows = len(states)
+    prompt_mask = torch.zeros(rows, vocab_size + 1, dtype=torch.bool, device=device)
+    output_counts = torch.zeros(rows, vocab_size + 1, dtype=torch.float32, device=device)
+    for row, state in enumerate(states):
+        if not state.sampling_params.has_penalties:
+            continue
+        # Ids past the vocabulary (invalid) land in the extra column, dropped below.
+        prompt = torch.tensor(state.token_ids[: state.num_prompt_tokens], dtype=torch.long, device=device)
+        prompt_mask[row, prompt.clamp(max=vocab_size)] = True
+        outputs = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.long, device=device)
+        output_counts[row].scatter_add_(0, outputs.clamp(max=vocab_size), torch.ones_like(outputs, dtype=torch.float32))
+    params = [s.sampling_params for s in states]
+    return Penalties(
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+        prompt_mask=prompt_mask[:, :vocab_size],
+        output_counts=output_counts[:, :vocab_size],
+    )

@@ -1,0 +1,56 @@
+"""Session fixtures: a local BPE tokenizer and tiny checkpoints, built once under a temp folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.models import MODEL_SPECS, TOKENIZER_VOCAB, HFReference, build_model  # noqa: E402
+
+ARCHITECTURES = list(MODEL_SPECS)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(artifacts) -> Path:
+    from pagedserve.demo import build_tokenizer
+
+    folder = artifacts / "tokenizer"
+    build_tokenizer(folder, vocab_size=TOKENIZER_VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(artifacts, tokenizer_dir) -> dict[str, Path]:
+    return {name: build_model(artifacts / name, name, tokenizer_dir) for name in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def hf_references(model_dirs) -> dict[str, HFReference]:
+    return {name: HFReference(folder) for name, folder in model_dirs.items()}
