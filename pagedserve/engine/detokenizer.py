@@ -50,6 +50,9 @@ class IncrementalDetokenizer:
         """The text to show now. While running, the last `stop_buffer_length` characters are held
         back: they may be the start of a stop string that must not be shown."""
         length = len(self.output_text) if finished else len(self.output_text) - self.stop_buffer_length
+        # Clamp: text shorter than the held-back length would give a negative slice end, which
+        # counts from the end and would show the start of a possible stop string.
+        length = max(length, 0)
         if not delta:
             return self.output_text[:length]
         if length <= self.num_sent_chars:

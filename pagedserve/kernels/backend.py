@@ -11,11 +11,13 @@ from pagedserve.kernels import reference
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
+    # (num_blocks, block_size, num_kv_heads, head_dim) -> shape of one layer's key (or value) cache
+    kv_cache_shape: Callable[[int, int, int, int], tuple[int, ...]]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., object]
 
 
-TORCH = AttentionBackend("torch", reference.write_kv_cache, reference.paged_attention)
+TORCH = AttentionBackend("torch", reference.kv_cache_shape, reference.write_kv_cache, reference.paged_attention)
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:

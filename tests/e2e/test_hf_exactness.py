@@ -1,0 +1,100 @@
+"""Greedy float32 outputs must equal Hugging Face transformers token for token, for every
+architecture, in every scheduling configuration that changes how the KV cache is filled."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from tests.conftest import ARCHITECTURES
+
+MAX_TOKENS = 24
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is Paris. The capital of Japan is",
+    "Once upon a time there was a small server in a quiet data center. It answered questions about "
+    "the weather, the sea, the mountains and the stars.",
+    "café naïve 日本語 🙂",
+    "def generate(prompts, sampling_params):\n    outputs = []",
+    "A",
+]
+SHARED_PREFIX = (
+    "When memory runs out, the newest request gives its blocks back and waits; later it is computed "
+    "again from its tokens, which are the only truth the engine keeps. "
+)
+PREFIX_PROMPTS = [SHARED_PREFIX + tail for tail in ("Why?", "Tell me more.", "What is a block?", "And then")]
+
+# name -> (engine arguments, prompts)
+CONFIGS = {
+    "default": ({}, PROMPTS),
+    "no_prefix_caching": ({"enable_prefix_caching": False}, PROMPTS),
+    "chunked_prefill_budget_16": ({"max_num_batched_tokens": 16}, PROMPTS),
+    # 10 blocks of 16 tokens: the longest request needs 5, so the batch keeps preempting.
+    "forced_preemption": ({"num_gpu_blocks_override": 10}, PROMPTS),
+    "max_num_seqs_2": ({"max_num_seqs": 2}, PROMPTS),
+    "block_size_8_no_chunking": ({"block_size": 8, "enable_chunked_prefill": False}, PROMPTS),
+}
+
+
+def engine_vs_hf(llm: LLM, hf, prompts: list[str]) -> list:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for output in outputs:
+        expected = hf.greedy(output.prompt_token_ids, MAX_TOKENS)
+        assert output.outputs[0].token_ids == expected, f"prompt {output.prompt!r}"
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
+    engine_args, prompts = CONFIGS[config_name]
+    llm = LLM(str(model_dirs[arch]), max_model_len=256, **engine_args)
+    try:
+        engine_vs_hf(llm, hf_references[arch], prompts)
+        if config_name == "forced_preemption":
+            # The configuration must really exercise preemption, or this test proves nothing.
+            assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert llm.llm_engine.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.kv_cache_manager.num_total_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shared_prefix_hits_cache_on_second_run(arch, model_dirs, hf_references):
+    llm = LLM(str(model_dirs[arch]), max_model_len=256)
+    try:
+        kv = llm.llm_engine.kv_cache_manager
+        engine_vs_hf(llm, hf_references[arch], PREFIX_PROMPTS)
+        hits_after_first = kv.num_prefix_hits
+        outputs = engine_vs_hf(llm, hf_references[arch], PREFIX_PROMPTS)
+        # The second run finds every full block of each prompt (all but the last token) cached.
+        block = llm.llm_engine.config.block_size
+        for output in outputs:
+            expected = (len(output.prompt_token_ids) - 1) // block * block
+            assert output.num_cached_tokens == expected
+        assert kv.num_prefix_hits - hits_after_first == sum(o.num_cached_tokens for o in outputs)
+    finally:
+        llm.shutdown()
+
+
+def test_prompts_sharing_a_prefix_in_one_batch(model_dirs, hf_references):
+    """Requests in the same step may adopt prefix blocks that another of them is just filling."""
+    llm = LLM(str(model_dirs["llama"]), max_model_len=256, max_num_batched_tokens=64)
+    try:
+        engine_vs_hf(llm, hf_references["llama"], PREFIX_PROMPTS * 2)
+    finally:
+        llm.shutdown()
+
+
+def test_mixed_batch_of_token_id_prompts_and_lengths(model_dirs, hf_references, tokenizer):
+    """Prompt token ids straight in, lengths from 1 to 200 tokens, in one batch."""
+    ids = tokenizer.encode(" ".join(PROMPTS) * 3)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (1, 2, 15, 16, 17, 33, 64, 200)]
+    llm = LLM(str(model_dirs["qwen3"]), max_model_len=256, max_num_batched_tokens=100)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        for output, prompt in zip(outputs, prompts):
+            assert output.prompt_token_ids == prompt["prompt_token_ids"]
+            assert output.outputs[0].token_ids == hf_references["qwen3"].greedy(prompt["prompt_token_ids"], MAX_TOKENS)
+    finally:
+        llm.shutdown()
