@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -61,6 +62,9 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     enforce_eager: bool = False
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
+    max_worker_restarts: int = Field(
+        3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -110,7 +114,9 @@ class ModelConfig:
     model_path: str
     tokenizer_path: str
     architecture: str
-    hf_config: Any  # transformers.PretrainedConfig: picklable, read by the model classes
+    # config.json as resolved by transformers, as a plain namespace: it travels to every worker,
+    # and unpickling a transformers config class would cost each worker seconds of imports.
+    hf_config: SimpleNamespace
     dtype: torch.dtype
     device: str  # "cpu" or "cuda"
     max_model_len: int
@@ -130,7 +136,7 @@ def resolve_model_config(config: EngineConfig) -> ModelConfig:
     """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape."""
     model_path = resolve_model_path(config.model)
     tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
-    hf_config = _load_hf_config(model_path)
+    hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
     device = resolve_device(config.device)
     num_heads = hf_config.num_attention_heads
@@ -235,7 +241,7 @@ def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
     ids: list[int] = []
     generation = path / "generation_config.json"
     for source in (json.loads(generation.read_text()) if generation.is_file() else {}, hf_config):
-        value = source.get("eos_token_id") if isinstance(source, dict) else source.eos_token_id
+        value = source.get("eos_token_id") if isinstance(source, dict) else getattr(source, "eos_token_id", None)
         for token_id in value if isinstance(value, list) else [value]:
             if isinstance(token_id, int) and token_id not in ids:
                 ids.append(token_id)

@@ -36,9 +36,8 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # Blocks with ref_cnt 0, least recently freed first. An OrderedDict gives O(1) removal of a
         # revived block from the middle.

@@ -10,11 +10,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
-        # Prefix-cache statistics, in tokens, since start (exported as metrics).
+        # Prefix-cache statistics, in tokens, since start (exported as metrics): counted once per
+        # admission (a request resumed after preemption is admitted, and counted, again).
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
 
@@ -43,17 +44,17 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        # No stats here: the scheduler looks a waiting request up again every step it cannot be
+        # admitted, which would count it many times. allocate_slots counts it once, on admission.
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] = ()
     ) -> list[KVCacheBlock] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones, or None (and no change)
         if the pool cannot supply them. `computed_blocks` are prefix-cache hits to adopt first."""
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        is_admission = not req_blocks  # a scheduled request always holds at least one block
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(num_required - len(req_blocks) - len(computed_blocks), 0)
@@ -62,10 +63,14 @@ class KVCacheManager:
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return None
         self.pool.touch(computed_blocks)
+        self.req_to_blocks[request.request_id] = req_blocks
         req_blocks.extend(computed_blocks)
         new_blocks = self.pool.allocate(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self.enable_caching:
+            if is_admission:
+                self.num_prefix_queries += request.num_tokens
+                self.num_prefix_hits += len(computed_blocks) * self.block_size
             self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 

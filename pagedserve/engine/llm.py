@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -117,6 +117,9 @@ class LLM:
         finally:
             if progress:
                 progress.close()
+        if self.llm_engine.is_dead:
+            num_aborted = sum(1 for r in results if r is not None and r.outputs[0].finish_reason == "abort")
+            raise EngineDeadError(f"{num_aborted} request(s) aborted: {self.llm_engine.dead_reason}")
         return results
 
 

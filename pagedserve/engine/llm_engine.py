@@ -21,9 +21,13 @@ from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.executor import Executor
+from pagedserve.workers.executor import Executor, WorkerGroupError
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The workers died and could not be rebuilt; the engine accepts no more work."""
 
 
 class LLMEngine:
@@ -38,6 +42,10 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.num_kv_blocks = num_blocks
+        self.num_worker_restarts = 0
+        self._consecutive_failures = 0
+        self.dead_reason: str | None = None
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -61,14 +69,21 @@ class LLMEngine:
                 "the KV cache holds no block: give it more memory (kv_cache_memory_bytes, "
                 "gpu_memory_utilization) or set num_gpu_blocks_override"
             )
+        # The engine's block pool and the workers' caches must agree on the count.
         self.executor.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
         return num_blocks
 
     # ---- requests -------------------------------------------------------------------------
 
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raises ValueError (queueing nothing) on bad input."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
         processed = self.input_processor.process(prompt, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time)
@@ -92,16 +107,57 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
         scheduler_output = self.scheduler.schedule()
+        runner_output = ModelRunnerOutput.empty()
         # An idle step still runs when requests ended, so the workers drop their state.
         if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
-            runner_output = self.executor.execute_model(scheduler_output)
-        else:
-            runner_output = ModelRunnerOutput.empty()
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+                self._consecutive_failures = 0
+            except WorkerGroupError as error:
+                # The step never happened: nothing of it reached the scheduler's request state.
+                return self._recover_from_worker_failure(error)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return request_outputs
+
+    # ---- recovery ---------------------------------------------------------------------------
+
+    def _recover_from_worker_failure(self, error: WorkerGroupError) -> list[RequestOutput]:
+        """Rebuild the worker group and requeue every in-flight request to recompute from its
+        tokens (the same mechanism as preemption). Gives up after `max_worker_restarts`
+        failures in a row: then every pending request ends with finish_reason "abort"."""
+        logger.warning("worker group failed, rebuilding it: %s", error)
+        self.executor.shutdown()
+        self.scheduler.requeue_after_worker_loss()
+        self._consecutive_failures += 1
+        if self._consecutive_failures > self.config.max_worker_restarts:
+            return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
+        try:
+            executor = Executor.create(self.config, self.model_config)
+        except Exception as rebuild_error:
+            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
+        self.executor = executor
+        try:
+            if executor.determine_num_kv_blocks() < self.num_kv_blocks:
+                raise RuntimeError(f"the new workers hold fewer than {self.num_kv_blocks} KV blocks")
+            executor.initialize_kv_cache(self.num_kv_blocks)
+        except Exception as rebuild_error:
+            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
+        self.num_worker_restarts += 1
+        return []
+
+    def _die(self, reason: str) -> list[RequestOutput]:
+        logger.error("engine is dead: %s", reason)
+        self.dead_reason = reason
+        if self.executor is not None:
+            self.executor.shutdown()
+        child_ids = self.scheduler.unfinished_request_ids()
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.finish_aborted(child_ids)
 
     def shutdown(self) -> None:
         executor, self.executor = getattr(self, "executor", None), None

@@ -106,6 +106,17 @@ class OutputProcessor:
             self.parents.pop(request_id, None)
         return child_ids
 
+    def finish_aborted(self, child_ids: list[str]) -> list[RequestOutput]:
+        """Final outputs (finish_reason "abort") for requests the engine had to give up."""
+        outputs = []
+        for child_id in child_ids:
+            state = self.states.pop(child_id, None)
+            if state is not None:
+                output = self._make_output(state, "abort", None, 0)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to deliver, and the scheduler ids a stop string ended (to abort)."""
         now = time.monotonic()

@@ -74,6 +74,18 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in ended]
             self.waiting = deque(r for r in self.waiting if r.request_id not in ended)
 
+    def requeue_after_worker_loss(self) -> None:
+        """The workers and their KV caches are gone: every running request goes back to the
+        waiting queue (in arrival order) to be recomputed from its tokens, and no cached prefix
+        can be trusted any more."""
+        while self.running:
+            self._requeue(self.running.pop())
+        self.kv.reset_prefix_cache()
+        self.finished_req_ids.clear()  # the new workers hold no state to drop
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -178,15 +190,19 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._preempted_this_step = True
+
+    def _requeue(self, request: Request) -> None:
+        """Free the request's blocks and send it back to recompute from its tokens."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_on_workers = 0
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self._preempted_this_step = True
         self.finished_req_ids.add(request.request_id)
-        # Victims go newest first, each to the front: the queue keeps arrival order.
+        # Requests go back newest first, each to the front: the queue keeps arrival order.
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:

@@ -8,6 +8,10 @@ from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerGroupError(RuntimeError):
+    """A worker died or failed mid-step: the group's state is lost and it must be rebuilt."""
+
+
 class Executor(ABC):
     """Owns the workers. Subclasses decide where they run (in-process, Ray actors)."""
 
@@ -28,7 +32,9 @@ class Executor(ABC):
             from pagedserve.workers.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor(engine_config, model_config)
-        raise ValueError("distributed_executor_backend='ray' is not available in this build yet")
+        from pagedserve.workers.ray_executor import RayExecutor
+
+        return RayExecutor(engine_config, model_config)
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:
@@ -38,7 +44,8 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; raises WorkerGroupError if a worker died or failed."""
 
     def shutdown(self) -> None:
         """Release the workers; safe to call more than once."""

@@ -78,3 +78,27 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
     return numerator // denominator
+
+
+def init_parallel_context(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str, timeout_s: float = 120.0) -> ParallelContext:
+    """Join the process group and build the TP and PP groups. Every rank creates every group, in
+    the same order (torch.distributed requires it), and keeps the ones it belongs to."""
+    import datetime
+
+    world_size = tp_size * pp_size
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    context = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if stage == pp_rank:
+            context.tp_group, context.tp_ranks = group, ranks
+    for column in range(tp_size):
+        ranks = list(range(column, world_size, tp_size))
+        group = dist.new_group(ranks) if pp_size > 1 else None
+        if column == tp_rank:
+            context.pp_group, context.pp_ranks = group, ranks
+    return context

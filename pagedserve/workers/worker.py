@@ -1,28 +1,61 @@
 """One rank: its device, its process-group membership, its model shard and its KV cache.
 
-The in-process executor holds one `Worker`; the Ray executor wraps the same class in an actor.
+The in-process executor holds one `Worker`; the Ray executor runs the same class as an actor
+(named `Worker` in Ray's state API) and drives its steps over a socket (`serve_steps`).
 """
 
 from __future__ import annotations
+
+import os
+import socket
+import traceback
 
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.workers import step_channel
 from pagedserve.workers.model_runner import ModelRunner
-from pagedserve.workers.parallel_state import ParallelContext
+from pagedserve.workers.parallel_state import ParallelContext, init_parallel_context
 
 
 class Worker:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, parallel: ParallelContext | None = None):
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, rank: int = 0):
         self.engine_config = engine_config
         self.model_config = model_config
-        self.parallel = parallel or ParallelContext()
+        self.rank = rank
+        self.parallel = ParallelContext()
         self.device = torch.device(model_config.device)
         self.runner: ModelRunner | None = None
         self._memory_in_use_at_start = 0
 
-    def init_device(self) -> None:
+    # ---- placement helpers (called by the Ray executor before init_device) -------------------
+
+    def get_node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def find_free_port(self) -> int:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def init_device(self, distributed_init_method: str | None = None) -> None:
+        """Pick the device and, with more than one rank, join the process group
+        (NCCL on CUDA, gloo on the CPU)."""
+        config = self.engine_config
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        if world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.parallel = init_parallel_context(
+                self.rank, config.tensor_parallel_size, config.pipeline_parallel_size, distributed_init_method, backend
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
@@ -54,6 +87,27 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)
+
+    # ---- the step loop (Ray workers) -------------------------------------------------------------
+
+    def serve_steps(self, host: str, port: int) -> None:
+        """Connect to the executor and run steps until it closes the connection. Each reply is
+        ("ok", output) (output is None except on the sampling rank) or ("error", traceback)."""
+        sock = step_channel.connect(host, port, timeout=60.0)
+        step_channel.send_message(sock, self.rank)
+        try:
+            while True:
+                try:
+                    scheduler_output = step_channel.recv_message(sock)
+                except step_channel.ChannelClosed:
+                    return
+                try:
+                    reply = ("ok", self.execute_model(scheduler_output))
+                except Exception:
+                    reply = ("error", f"rank {self.rank}: {traceback.format_exc()}")
+                step_channel.send_message(sock, reply)
+        finally:
+            sock.close()
 
     def _profile_free_memory(self) -> int:
         torch.cuda.reset_peak_memory_stats()

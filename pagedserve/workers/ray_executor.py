@@ -1,0 +1,231 @@
+"""TP x PP ranks as Ray actors in one placement group, driven step by step over sockets.
+
+Set-up (one-time) uses ordinary actor calls, so a failure while loading raises with the worker's
+own error. Then every worker connects back to a socket of this process and serves steps: each
+step the executor sends the pickled `SchedulerOutput` to all ranks and reads one reply from each;
+the sampling rank's reply carries the `ModelRunnerOutput`.
+
+A dead worker shows up as a closed socket (a killed process), an error reply (an actor that
+raised), or, while a step takes long, as a finished `serve_steps` call in Ray (a lost node). Any of
+them raises `WorkerGroupError`; the engine then tears the group down and builds a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import selectors
+import socket
+from typing import Any
+
+from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.workers import step_channel
+from pagedserve.workers.executor import Executor, WorkerGroupError
+from pagedserve.workers.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# How long a step may run before Ray is asked whether the workers are still alive.
+LIVENESS_CHECK_INTERVAL_S = 1.0
+PLACEMENT_GROUP_TIMEOUT_S = 60.0
+
+
+def ensure_ray_initialized(world_size: int) -> None:
+    """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one
+    with at least one CPU slot per rank."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        return
+    ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=False)
+
+
+class RayExecutor(Executor):
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None, first_bundle: int = 0):
+        """`placement_group`: use this one's bundles from `first_bundle` on (a Serve replica's);
+        by default the executor creates and owns a group of TP x PP bundles."""
+        super().__init__(engine_config, model_config)
+        self.world_size = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+        # The sampling rank: the last stage's first TP rank.
+        self.driver_rank = (engine_config.pipeline_parallel_size - 1) * engine_config.tensor_parallel_size
+        self.workers: list[Any] = []
+        self.loop_refs: list[Any] = []
+        self.connections: list[socket.socket] = []
+        self.owns_placement_group = placement_group is None
+        self.placement_group = placement_group
+        self.first_bundle = first_bundle
+        self._server: socket.socket | None = None
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- set-up --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        import ray
+
+        ensure_ray_initialized(self.world_size)
+        use_gpu = self.model_config.device == "cuda"
+        if self.owns_placement_group:
+            self.placement_group = self._create_placement_group(use_gpu)
+        self.workers = [self._start_worker(rank, use_gpu) for rank in range(self.world_size)]
+        init_method = self._distributed_init_method()
+        ray.get([w.init_device.remote(init_method) for w in self.workers])
+        ray.get([w.load_model.remote() for w in self.workers])
+        self._open_step_channels()
+
+    def _create_placement_group(self, use_gpu: bool) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        resource = "GPU" if use_gpu else "CPU"
+        available = ray.cluster_resources().get(resource, 0)
+        if available < self.world_size:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs {self.world_size} "
+                f"{resource}s but the Ray cluster has {available:g}"
+            )
+        group = placement_group([{resource: 1}] * self.world_size, strategy="PACK", name="")
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_GROUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"the Ray cluster could not place {self.world_size} {resource} bundles within "
+                f"{PLACEMENT_GROUP_TIMEOUT_S:.0f} s (are the resources taken by someone else?)"
+            ) from None
+        return group
+
+    def _start_worker(self, rank: int, use_gpu: bool) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=self.first_bundle + rank)
+        actor_class = ray.remote(Worker)
+        return actor_class.options(
+            num_cpus=0 if use_gpu else 1,
+            num_gpus=1 if use_gpu else 0,
+            scheduling_strategy=strategy,
+            max_concurrency=2,  # serve_steps blocks one thread; liveness calls use the other
+        ).remote(self.engine_config, self.model_config, rank)
+
+    def _distributed_init_method(self) -> str:
+        import ray
+
+        ip, port = ray.get([self.workers[0].get_node_ip.remote(), self.workers[0].find_free_port.remote()])
+        return f"tcp://{ip}:{port}"
+
+    def _open_step_channels(self) -> None:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        self._server = step_channel.listen(host)
+        self._server.settimeout(60.0)
+        port = self._server.getsockname()[1]
+        self.loop_refs = [w.serve_steps.remote(host, port) for w in self.workers]
+        by_rank: dict[int, socket.socket] = {}
+        while len(by_rank) < self.world_size:
+            try:
+                conn, _ = self._server.accept()
+            except socket.timeout:
+                self._raise_if_workers_died()
+                raise WorkerGroupError("workers did not connect to the step channel within 60 s") from None
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            by_rank[step_channel.recv_message(conn)] = conn
+        self.connections = [by_rank[rank] for rank in range(self.world_size)]
+
+    # ---- Executor interface -----------------------------------------------------------------
+
+    def determine_num_kv_blocks(self) -> int:
+        import ray
+
+        return min(ray.get([w.determine_num_kv_blocks.remote() for w in self.workers]))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        import ray
+
+        ray.get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers])
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.connections:
+                step_channel.send_bytes(conn, payload)
+        except OSError as error:
+            raise WorkerGroupError(f"a worker is gone: {error}") from error
+        replies = self._collect_replies()
+        return replies[self.driver_rank]
+
+    def _collect_replies(self) -> list[Any]:
+        replies: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        with selectors.DefaultSelector() as selector:
+            for rank, conn in enumerate(self.connections):
+                selector.register(conn, selectors.EVENT_READ, rank)
+            while pending:
+                events = selector.select(timeout=LIVENESS_CHECK_INTERVAL_S)
+                if not events:
+                    self._raise_if_workers_died()
+                for key, _ in events:
+                    rank = key.data
+                    try:
+                        status, value = step_channel.recv_message(key.fileobj)
+                    except step_channel.ChannelClosed as error:
+                        raise WorkerGroupError(f"worker rank {rank} died: {error}") from error
+                    if status == "error":
+                        raise WorkerGroupError(f"worker rank {rank} failed:\n{value}")
+                    replies[rank] = value
+                    pending.discard(rank)
+                    selector.unregister(key.fileobj)
+        return replies
+
+    def _raise_if_workers_died(self) -> None:
+        import ray
+
+        done, _ = ray.wait(self.loop_refs, num_returns=1, timeout=0)
+        if done:
+            rank = self.loop_refs.index(done[0])
+            try:
+                ray.get(done[0])
+                reason = "its step loop exited"
+            except Exception as error:  # RayActorError: process or node gone
+                reason = str(error).splitlines()[0]
+            raise WorkerGroupError(f"worker rank {rank} died: {reason}")
+
+    def worker_pids(self) -> list[int]:
+        import ray
+
+        return ray.get([w.get_pid.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        """Close the channels and kill the actors and the placement group; idempotent."""
+        for conn in self.connections:
+            conn.close()
+        self.connections = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if not self.workers and self.placement_group is None:
+            return
+        import ray
+
+        for worker in self.workers:
+            try:
+                ray.kill(worker)
+            except Exception:  # already dead
+                pass
+        self.workers, self.loop_refs = [], []
+        if self.owns_placement_group and self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                logger.warning("could not remove the placement group", exc_info=True)
+        self.placement_group = None

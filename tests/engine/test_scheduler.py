@@ -1,0 +1,359 @@
+"""Scheduler with a real KVCacheManager, driven step by step by a fake worker (no model).
+
+Every step also runs `check_invariants` (budget, block counts, ref counts, arrival order), and the
+fake worker checks the K/V each request attends over, so each test covers those as well."""
+
+from __future__ import annotations
+
+from pagedserve.engine.request import RequestStatus
+from tests.engine.scheduler_harness import (
+    EOS,
+    FILLER,
+    FakeWorker,
+    assert_no_leak,
+    make_request,
+    make_scheduler,
+    prompt,
+    run_to_completion,
+    step,
+)
+
+
+def _scripted(tokens: dict[str, list[int]]) -> FakeWorker:
+    """A worker that samples the listed tokens per request, then FILLER."""
+    return FakeWorker(sample=lambda req_id, _: tokens[req_id].pop(0) if tokens.get(req_id) else FILLER)
+
+
+def _steps_until(sched, worker, req_id: str, max_steps: int = 100):
+    for _ in range(max_steps):
+        out, core = step(sched, worker)
+        if req_id in out.num_scheduled_tokens:
+            return out, core
+    raise AssertionError(f"{req_id} never scheduled")
+
+
+# ---- one request's life ----------------------------------------------------------------------
+
+
+def test_prefill_then_one_token_per_step_then_freed():
+    sched, worker = make_scheduler(), _scripted({"a": [11, 12, 13]})
+    sched.add_request(make_request("a", prompt(0, 10), max_tokens=3))
+    out, core = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 10}
+    (new,) = out.scheduled_new_reqs
+    assert (new.token_ids, new.num_computed_tokens, new.block_ids) == (prompt(0, 10), 0, [0, 1, 2])
+    assert [(c.req_id, c.new_token_ids, c.finish_reason) for c in core] == [("a", [11], None)]
+    out, core = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == []
+    out, core = step(sched, worker)
+    assert [(c.new_token_ids, c.finish_reason) for c in core] == [([13], "length")]
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == {"a"}  # workers drop it at the next step
+    assert_no_leak(sched)
+
+
+def test_cached_request_data_carries_only_the_new_token_and_new_blocks():
+    sched, worker = make_scheduler(), _scripted({"a": [21, 22, 23]})
+    sched.add_request(make_request("a", prompt(0, 7), max_tokens=4))
+    step(sched, worker)  # 7 prompt tokens in blocks 0, 1; samples 21
+    out, _ = step(sched, worker)  # computes 21 at position 7: still block 1
+    cached = out.scheduled_cached_reqs
+    assert (cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == (
+        ["a"], [[21]], [[]], [7]
+    )
+    out, _ = step(sched, worker)  # computes 22 at position 8: opens block 2
+    cached = out.scheduled_cached_reqs
+    assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([[22]], [[2]], [8])
+
+
+# ---- the token budget and the order of service --------------------------------------------------
+
+
+def test_running_requests_are_served_before_waiting_ones_within_the_budget():
+    sched, worker = make_scheduler(budget=8), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 6), max_tokens=8))
+    sched.add_request(make_request("b", prompt(1, 6), max_tokens=8))
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 6, "b": 2}  # b gets what is left: a chunk
+    sched.add_request(make_request("c", prompt(2, 20)))
+    out, _ = step(sched, worker)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 4), ("c", 3)]
+    assert out.total_num_scheduled_tokens == 8
+    out, _ = step(sched, worker)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("c", 6)]
+
+
+def test_waiting_requests_are_admitted_in_arrival_order():
+    sched, worker = make_scheduler(max_num_seqs=2), FakeWorker()
+    for i, req_id in enumerate("abcd"):
+        sched.add_request(make_request(req_id, prompt(i, 3), max_tokens=1 if req_id == "a" else 5))
+    out, _ = step(sched, worker)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a", "b"]  # max_num_seqs caps the rest
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]
+    out, _ = step(sched, worker)  # a finished after 1 token: one seat for c
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["c"]
+    assert [r.request_id for r in sched.running] == ["b", "c"]
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
+    sched, worker = make_scheduler(budget=8), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 20), max_tokens=2))
+    chunks, computed_before, outputs = [], [], []
+    for _ in range(3):
+        out, core = step(sched, worker)
+        chunks.append(out.num_scheduled_tokens["a"])
+        computed_before += out.scheduled_cached_reqs.num_computed_tokens
+        outputs.append([c.new_token_ids for c in core])
+    assert chunks == [8, 8, 4]
+    assert computed_before == [8, 16]  # chunks 2 and 3 start where the previous one ended
+    assert outputs == [[], [], [[FILLER]]]
+    assert sched.requests["a"].num_computed_tokens == 20
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
+    sched, worker = make_scheduler(budget=16, chunked=False), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 10)))
+    sched.add_request(make_request("b", prompt(1, 10)))
+    sched.add_request(make_request("c", prompt(2, 2)))  # fits, but must not pass b
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 10}
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10, "c": 2}  # b whole, never a chunk
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched, worker = make_scheduler(max_num_seqs=3), FakeWorker()
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", prompt(i, 2), max_tokens=10))
+    for _ in range(4):
+        out, _ = step(sched, worker)
+        assert sorted(out.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert (sched.num_running, sched.num_waiting) == (3, 2)
+
+
+# ---- prefix caching -----------------------------------------------------------------------------
+
+
+def test_prefix_hit_skips_computed_tokens():
+    sched, worker = make_scheduler(), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 10), max_tokens=1))
+    step(sched, worker)
+    b = make_request("b", prompt(0, 10) + [55, 56, 57], max_tokens=1)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_computed_tokens == 8  # a's two full blocks: the partial third is not shared
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"b": 5}
+    core = sched.update_from_output(out, worker.execute(out))
+    assert new.block_ids[:2] == [0, 1]  # a's freed blocks, revived
+    assert core[0].num_cached_tokens == 8
+    assert sched.kv.num_prefix_hits == 8
+
+
+def test_prefix_stats_count_a_request_blocked_for_several_steps_once():
+    sched, worker = make_scheduler(num_blocks=4), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 8), max_tokens=1))
+    step(sched, worker)  # a's two blocks stay cached after it finishes
+    sched.add_request(make_request("long", prompt(1, 5), max_tokens=4))  # takes the other two
+    sched.add_request(make_request("b", prompt(0, 8) + [77], max_tokens=1))  # needs one block more
+    outs = run_to_completion(sched, worker)
+    assert outs[4].scheduled_new_reqs[0].req_id == "b"  # looked up, and refused, in the 4 steps before
+    # ...but the hit rate must count each admitted request once.
+    assert (sched.kv.num_prefix_queries, sched.kv.num_prefix_hits) == (8 + 5 + 9, 8)
+
+
+def test_prefix_shared_by_running_requests_is_computed_once():
+    sched, worker = make_scheduler(), FakeWorker()
+    shared = prompt(0, 8)
+    sched.add_request(make_request("a", shared + [61], max_tokens=5))
+    sched.add_request(make_request("b", shared + [62], max_tokens=5))
+    out, _ = step(sched, worker)  # b's lookup runs after a's blocks were registered
+    assert out.num_scheduled_tokens == {"a": 9, "b": 1}
+    blocks_a, blocks_b = sched.kv.req_to_blocks["a"], sched.kv.req_to_blocks["b"]
+    assert blocks_a[:2] == blocks_b[:2] and blocks_a[2] is not blocks_b[2]
+    assert [b.ref_cnt for b in blocks_a[:2]] == [2, 2]
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+# ---- preemption ----------------------------------------------------------------------------------
+
+
+def _two_requests_on_four_blocks(caching: bool = False):
+    """a and b each hold 2 of 4 blocks; the step after next, a needs a third."""
+    sched, worker = make_scheduler(num_blocks=4, caching=caching), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 7), max_tokens=6, arrival=0.0))
+    sched.add_request(make_request("b", prompt(1, 7), max_tokens=6, arrival=1.0))
+    step(sched, worker)
+    step(sched, worker)  # both decode position 7, the last slot of their second block
+    return sched, worker
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first():
+    sched, worker = _two_requests_on_four_blocks()
+    sched.add_request(make_request("c", prompt(2, 1), arrival=2.0))
+    out, _ = step(sched, worker)
+    b = next(r for r in sched.waiting if r.request_id == "b")
+    assert out.num_scheduled_tokens == {"a": 1}  # no admission after a preemption, not even c
+    assert "b" in out.finished_req_ids  # workers drop b's state
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+    assert sched.kv.get_block_ids("b") == [] and sched.kv.pool.num_free_blocks == 1
+    assert sched.num_preemptions_total == 1
+
+
+def test_preempted_request_resumes_with_prompt_and_outputs_so_far():
+    sched, worker = _two_requests_on_four_blocks()
+    step(sched, worker)  # b preempted
+    b = sched.requests["b"]
+    assert b.output_token_ids == [FILLER, FILLER]
+    out, _ = _steps_until(sched, worker, "b")
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "b" and new.token_ids == prompt(1, 7) + [FILLER, FILLER]
+    assert new.num_prompt_tokens == 7 and new.num_computed_tokens == 0
+    assert out.num_scheduled_tokens["b"] == 9  # recomputed, outputs included
+    run_to_completion(sched, worker)
+    assert b.num_output_tokens == 6 and b.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_no_leak(sched)
+
+
+def test_resumed_request_reuses_its_own_cached_blocks():
+    sched, worker = _two_requests_on_four_blocks(caching=True)
+    step(sched, worker)  # b preempted: a took b's tail block (evicted), b's first block kept its hash
+    out, _ = _steps_until(sched, worker, "b")
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 4 and new.block_ids[0] == 2
+    assert len(new.block_ids) == 3  # the whole table: the workers dropped the old one
+    assert out.num_scheduled_tokens["b"] == 9 - 4
+    assert sched.requests["b"].num_cached_tokens == 0  # reported for the first schedule only
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+def _one_block_requests(num_blocks: int, num_requests: int):
+    """One-block requests that all need a second block at the third step."""
+    sched, worker = make_scheduler(num_blocks=num_blocks, caching=False), FakeWorker()
+    for i in range(num_requests):
+        sched.add_request(make_request(f"r{i}", prompt(i, 3), max_tokens=4, arrival=float(i)))
+    step(sched, worker)
+    step(sched, worker)  # position 3 fills each first block
+    return sched, worker
+
+
+def test_preemption_takes_the_newest_first_and_keeps_arrival_order():
+    sched, worker = _one_block_requests(num_blocks=4, num_requests=4)
+    out, _ = step(sched, worker)
+    # r0 preempts r3 for a block, then r1 preempts r2.
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert [r.request_id for r in sched.waiting] == ["r2", "r3"]
+    assert {"r2", "r3"} <= out.finished_req_ids
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_the_newest_request_preempts_itself_when_nothing_newer_is_left():
+    sched, worker = _one_block_requests(num_blocks=3, num_requests=2)
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"r0": 1}  # r0 took the last free block
+    assert [r.request_id for r in sched.waiting] == ["r1"] and "r1" in out.finished_req_ids
+    assert sched.kv.pool.num_free_blocks == 1  # r1's block came back
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+# ---- aborts ----------------------------------------------------------------------------------------
+
+
+def test_abort_waiting_and_running_requests():
+    sched, worker = make_scheduler(max_num_seqs=1), FakeWorker()
+    sched.add_request(make_request("run", prompt(0, 6), max_tokens=10))
+    sched.add_request(make_request("wait", prompt(1, 6)))
+    step(sched, worker)
+    sched.finish_requests(["wait", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert sched.num_waiting == 0 and "wait" not in sched.requests
+    sched.finish_requests(["run"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests()
+    assert_no_leak(sched)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {} and out.finished_req_ids == {"run", "wait"}
+
+
+def test_abort_while_the_step_runs_drops_its_output():
+    sched, worker = make_scheduler(), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 6)))
+    sched.add_request(make_request("b", prompt(1, 6)))
+    out = sched.schedule()
+    runner_output = worker.execute(out)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    core = sched.update_from_output(out, runner_output)
+    assert [c.req_id for c in core] == ["b"]
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_abort_of_a_preempted_request():
+    sched, worker = _two_requests_on_four_blocks()
+    step(sched, worker)  # b preempted, back in waiting
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in sched.waiting] == []
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+# ---- stop conditions -------------------------------------------------------------------------------
+
+
+def _finish(req_id="a", tokens=(), prompt_len=4, max_model_len=128, **params):
+    """Run one request, sampling `tokens` then FILLER, to its end."""
+    sched = make_scheduler(max_model_len=max_model_len)
+    worker = _scripted({req_id: list(tokens)})
+    request = make_request(req_id, prompt(0, prompt_len), max_model_len=max_model_len, **params)
+    sched.add_request(request)
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+    return request
+
+
+def test_eos_stops_unless_ignore_eos():
+    request = _finish(tokens=[5, EOS, 6], max_tokens=10)
+    assert request.output_token_ids == [5, EOS]
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
+    request = _finish(tokens=[5, EOS, 6], max_tokens=4, ignore_eos=True)
+    assert request.output_token_ids == [5, EOS, 6, FILLER]
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_stop_token_id_stops_with_a_stop_reason():
+    request = _finish(tokens=[5, 99, 6], max_tokens=10, stop_token_ids=[99])
+    assert request.output_token_ids == [5, 99]
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, 99)
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    request = _finish(tokens=[EOS, 99, EOS, 99], max_tokens=10, min_tokens=3, stop_token_ids=[99])
+    assert request.output_token_ids == [EOS, 99, EOS]  # the third token may stop it
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_max_tokens_wins_over_eos_on_the_same_token():
+    request = _finish(tokens=[5, EOS], max_tokens=2)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_max_model_len_caps_a_request():
+    request = _finish(prompt_len=10, max_model_len=12, max_tokens=100)
+    assert request.num_tokens == 12 and request.num_output_tokens == 2
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    request = _finish(prompt_len=10, max_model_len=12, max_tokens=None)  # defaults to the room left
+    assert request.num_output_tokens == 2
+
+
+def test_finished_output_reports_reason_and_frees_blocks_at_once():
+    sched, worker = make_scheduler(), _scripted({"a": [99]})
+    sched.add_request(make_request("a", prompt(0, 5), stop_token_ids=[99]))
+    _, core = step(sched, worker)
+    assert [(c.finish_reason, c.stop_reason) for c in core] == [("stop", 99)]
+    assert_no_leak(sched)  # freed in update_from_output, not at the next schedule
