@@ -54,3 +54,16 @@ def model_dirs(artifacts, tokenizer_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def hf_references(model_dirs) -> dict[str, HFReference]:
     return {name: HFReference(folder) for name, folder in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session. Logical CPUs exceed the 2 real cores on purpose:
+    each worker actor takes one slot and runs one torch thread. The dashboard runs because Ray's
+    state API (list_actors, list_placement_groups) is served by it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False, namespace="pagedserve-tests")
+    yield ray
+    ray.shutdown()

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, resolve_model_config
-from pagedserve.engine.input_processor import InputProcessor, PromptType
+from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import ModelRunnerOutput
@@ -82,9 +82,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raises ValueError (queueing nothing) on bad input."""
+        self.add_processed_request(request_id, self.input_processor.process(prompt, params), params, arrival_time)
+
+    def add_processed_request(
+        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        """Queue a request that `input_processor.process` already validated (AsyncLLM validates
+        in the caller's thread, then hands it to the engine loop)."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        processed = self.input_processor.process(prompt, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time)
         for child_id, child_params in children:

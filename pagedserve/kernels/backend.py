@@ -11,7 +11,7 @@ from pagedserve.kernels import reference
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    # (num_blocks, block_size, num_kv_heads, head_dim) -> shape of one layer's key (or value) cache
+    # (num_blocks, block_size, num_kv_heads, head_dim) -> shape of one layer's K/V cache tensor
     kv_cache_shape: Callable[[int, int, int, int], tuple[int, ...]]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., object]

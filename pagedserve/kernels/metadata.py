@@ -12,7 +12,8 @@ class AttentionMetadata:
     """Where each query token's K/V goes and which cached tokens each sequence attends to.
 
     The batch is ordered decode-first: the first `num_decodes` sequences have exactly one query
-    token each (so they occupy query rows 0..num_decodes-1), the rest are prefill chunks. Query
+    token each (so they occupy query rows 0..num_decodes-1), sorted by `seq_lens` descending;
+    the rest are prefill chunks. Query
     token j of sequence i sits at position `seq_lens[i] - query_len[i] + j` and attends causally to
     cached positions 0..that position.
     """

@@ -45,10 +45,12 @@ class StepInputs:
 def build_step_inputs(
     scheduler_output: SchedulerOutput, requests: dict[str, CachedRequestState], block_size: int, device: torch.device
 ) -> StepInputs:
-    """Flatten the scheduled requests into one ragged batch, decodes first (the attention
-    backends vectorize the single-token queries at the front)."""
+    """Flatten the scheduled requests into one ragged batch: decodes first, longest context
+    first (the attention backends vectorize the single-token queries at the front, and a decode
+    chunk past the shorter contexts then only involves a prefix of the rows)."""
     counts = scheduler_output.num_scheduled_tokens
-    order = [r for r, n in counts.items() if n == 1] + [r for r, n in counts.items() if n > 1]
+    decodes = sorted((r for r, n in counts.items() if n == 1), key=lambda r: -requests[r].num_computed_tokens)
+    order = decodes + [r for r, n in counts.items() if n > 1]
     states = [requests[req_id] for req_id in order]
     num_scheduled = np.fromiter((counts[r] for r in order), dtype=np.int64, count=len(order))
     num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(order))

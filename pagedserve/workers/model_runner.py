@@ -48,14 +48,13 @@ class ModelRunner:
         return 2 * len(layers) * self.block_size * attn.num_kv_heads * attn.head_dim * element
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """One [2, *backend.kv_cache_shape] tensor (keys, values) per local layer. Zeroed: padded
-        block-table entries point at block 0, and masked-out garbage must not be NaN."""
+        """One tensor per local layer, in the backend's layout. Zeroed: padded block-table
+        entries point at block 0, and masked-out garbage must not be NaN."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            shape = (2, *self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim))
-            cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-            attn.kv_cache = (cache[0], cache[1])
-            self.kv_caches.append(cache)
+            shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.kv_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            self.kv_caches.append(attn.kv_cache)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

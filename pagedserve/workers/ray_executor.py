@@ -54,6 +54,7 @@ class RayExecutor(Executor):
         # The sampling rank: the last stage's first TP rank.
         self.driver_rank = (engine_config.pipeline_parallel_size - 1) * engine_config.tensor_parallel_size
         self.workers: list[Any] = []
+        self.pids: list[int] = []
         self.loop_refs: list[Any] = []
         self.connections: list[socket.socket] = []
         self.owns_placement_group = placement_group is None
@@ -79,7 +80,7 @@ class RayExecutor(Executor):
         init_method = self._distributed_init_method()
         ray.get([w.init_device.remote(init_method) for w in self.workers])
         ray.get([w.load_model.remote() for w in self.workers])
-        self._open_step_channels()
+        self.pids = ray.get([w.get_pid.remote() for w in self.workers])
 
     def _create_placement_group(self, use_gpu: bool) -> Any:
         import ray
@@ -112,7 +113,7 @@ class RayExecutor(Executor):
             num_cpus=0 if use_gpu else 1,
             num_gpus=1 if use_gpu else 0,
             scheduling_strategy=strategy,
-            max_concurrency=2,  # serve_steps blocks one thread; liveness calls use the other
+            max_concurrency=2,  # serve_steps holds one thread; the other stays free for calls
         ).remote(self.engine_config, self.model_config, rank)
 
     def _distributed_init_method(self) -> str:
@@ -151,6 +152,8 @@ class RayExecutor(Executor):
         import ray
 
         ray.get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers])
+        # The set-up is done: from here on the steps go over the channels.
+        self._open_step_channels()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
@@ -199,9 +202,7 @@ class RayExecutor(Executor):
             raise WorkerGroupError(f"worker rank {rank} died: {reason}")
 
     def worker_pids(self) -> list[int]:
-        import ray
-
-        return ray.get([w.get_pid.remote() for w in self.workers])
+        return list(self.pids)
 
     def shutdown(self) -> None:
         """Close the channels and kill the actors and the placement group; idempotent."""
@@ -215,6 +216,9 @@ class RayExecutor(Executor):
             return
         import ray
 
+        if not ray.is_initialized():  # Ray already shut down (interpreter exit): it took them along
+            self.workers, self.loop_refs, self.placement_group = [], [], None
+            return
         for worker in self.workers:
             try:
                 ray.kill(worker)

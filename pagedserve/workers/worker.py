@@ -48,7 +48,8 @@ class Worker:
 
     def init_device(self, distributed_init_method: str | None = None) -> None:
         """Pick the device and, with more than one rank, join the process group
-        (NCCL on CUDA, gloo on the CPU)."""
+        (NCCL on CUDA, gloo on the CPU). A CPU rank in a Ray actor runs as many torch threads as
+        its bundle has CPUs (Ray sets OMP_NUM_THREADS)."""
         config = self.engine_config
         world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         if world_size > 1:

@@ -15,8 +15,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
-        # (key_cache, value_cache), bound by the model runner once the cache is sized.
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # This layer's keys and values in the backend's layout, bound by the model runner once
+        # the cache is sized.
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -24,11 +25,10 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.kv_cache is None:
             return self._profile_attention(q, k, v)
-        key_cache, value_cache = self.kv_cache
         # Every K/V of the step is written before any query reads: a request may hit prefix-cache
         # blocks that another request of the same step is filling.
-        self.backend.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = self.backend.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        self.backend.write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(q, k, v, self.kv_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _profile_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""Tensor and pipeline parallelism on real Ray actors with gloo: exact outputs, dead workers,
+load failures. Every case is compared with Hugging Face (and so with TP=1, which matches it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm_engine import EngineDeadError
+from tests.models import HFReference, build_model
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is Paris. The capital of Japan is",
+    "Once upon a time there was a small server in a quiet data center. It answered questions.",
+    "café naïve 日本語 🙂",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def parallel_models(artifacts, tokenizer_dir, model_dirs):
+    """Checkpoints chosen for what they stress in a split model."""
+    folders = {
+        # 3 layers: PP=2 splits them unevenly (2 + 1).
+        "llama_3_layers": build_model(artifacts / "llama3l", "llama", tokenizer_dir, num_hidden_layers=3),
+        # One KV head (MQA): with TP=2 each rank holds a replica of it.
+        "mistral_mqa": model_dirs["mistral"],
+        # Tied embeddings and an odd vocabulary (579 rows): the vocab-parallel shards are uneven.
+        "qwen2_tied_odd_vocab": build_model(artifacts / "qwen2odd", "qwen2", tokenizer_dir, vocab_size=579),
+        "qwen3": model_dirs["qwen3"],
+    }
+    return {name: (folder, HFReference(folder)) for name, folder in folders.items()}
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def assert_matches_hf(llm: LLM, hf: HFReference, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> None:
+    for output in llm.generate(prompts, greedy(max_tokens), use_tqdm=False):
+        assert output.outputs[0].token_ids == hf.greedy(output.prompt_token_ids, max_tokens), output.prompt
+
+
+@pytest.mark.parametrize(
+    "model, tp, pp",
+    [
+        ("qwen3", 2, 1),
+        ("llama_3_layers", 1, 2),
+        ("llama_3_layers", 2, 2),
+        ("mistral_mqa", 2, 1),
+        ("qwen2_tied_odd_vocab", 2, 1),
+        ("qwen2_tied_odd_vocab", 1, 2),
+    ],
+)
+def test_parallel_greedy_matches_hf(ray_cluster, parallel_models, model, tp, pp):
+    folder, hf = parallel_models[model]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert llm.llm_engine.executor.world_size == tp * pp
+        assert_matches_hf(llm, hf)
+    finally:
+        llm.shutdown()
+
+
+def long_batch(llm: LLM, num_prompts: int = 8, max_tokens: int = 40) -> list[str]:
+    ids = []
+    for i in range(num_prompts):
+        request_id = f"long-{i}"
+        llm.llm_engine.add_request(request_id, PROMPTS[i % len(PROMPTS)] + f" {i}", greedy(max_tokens))
+        ids.append(request_id)
+    return ids
+
+
+def run_to_completion(llm: LLM, on_step=None) -> dict[str, list[int]]:
+    results, step = {}, 0
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+        step += 1
+        if on_step:
+            on_step(step)
+    return results
+
+
+def test_sigkill_of_a_worker_is_survived(ray_cluster, parallel_models):
+    folder, hf = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2)
+    try:
+        ids = long_batch(llm)
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
+        victim = llm.llm_engine.executor.worker_pids()[1]
+
+        def kill_mid_batch(step: int) -> None:
+            if step == 10:
+                os.kill(victim, signal.SIGKILL)
+
+        results = run_to_completion(llm, kill_mid_batch)
+        assert llm.llm_engine.num_worker_restarts == 1
+        assert victim not in llm.llm_engine.executor.worker_pids()
+        for request_id in ids:
+            assert results[request_id] == hf.greedy(prompts[request_id], 40), request_id
+        assert_matches_hf(llm, hf)  # and it keeps serving
+    finally:
+        llm.shutdown()
+
+
+def test_sigkill_during_a_step(ray_cluster, parallel_models):
+    """The kill lands after a step was sent, while the engine waits for the replies."""
+    folder, hf = parallel_models["llama_3_layers"]
+    llm = LLM(str(folder), max_model_len=256, pipeline_parallel_size=2)
+    try:
+        executor = llm.llm_engine.executor
+        victim = executor.worker_pids()[0]
+        collect, calls = executor._collect_replies, []
+
+        def collect_with_kill():
+            calls.append(1)
+            if len(calls) == 6:
+                os.kill(victim, signal.SIGKILL)
+            return collect()
+
+        executor._collect_replies = collect_with_kill
+        outputs = llm.generate(PROMPTS * 4, greedy(48), use_tqdm=False)
+        assert llm.llm_engine.num_worker_restarts == 1
+        assert llm.llm_engine.executor is not executor
+        for output in outputs:
+            assert output.outputs[0].token_ids == hf.greedy(output.prompt_token_ids, 48)
+    finally:
+        llm.shutdown()
+
+
+def test_worker_that_raises_is_replaced(ray_cluster, parallel_models):
+    folder, hf = parallel_models["mistral_mqa"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2)
+    try:
+        ids = long_batch(llm, num_prompts=4, max_tokens=24)
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
+        import ray
+
+        worker = llm.llm_engine.executor.workers[0]
+
+        def break_worker(step: int) -> None:
+            if step == 5:  # the next step raises inside the actor (its runner is gone)
+                ray.get(worker.__ray_call__.remote(lambda self: setattr(self, "runner", None)))
+
+        results = run_to_completion(llm, break_worker)
+        assert llm.llm_engine.num_worker_restarts == 1
+        for request_id in ids:
+            assert results[request_id] == hf.greedy(prompts[request_id], 24)
+    finally:
+        llm.shutdown()
+
+
+def test_group_that_cannot_be_rebuilt_aborts_and_raises(ray_cluster, parallel_models):
+    folder, _ = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, max_worker_restarts=0)
+    try:
+        victim = llm.llm_engine.executor.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.2)
+        with pytest.raises(EngineDeadError, match="4 request\\(s\\) aborted.*failed 1 times in a row"):
+            llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.generate("Hello", greedy(), use_tqdm=False)
+        assert not alive_workers(ray_cluster)
+    finally:
+        llm.shutdown()
+
+
+def test_abort_outputs_when_the_engine_dies(ray_cluster, parallel_models):
+    folder, _ = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, max_worker_restarts=0)
+    try:
+        ids = long_batch(llm, num_prompts=3)
+        llm.llm_engine.step()
+        os.kill(llm.llm_engine.executor.worker_pids()[1], signal.SIGKILL)
+        finals = {}
+        while llm.llm_engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in llm.llm_engine.step() if o.finished})
+        assert set(finals) == set(ids)
+        assert {o.outputs[0].finish_reason for o in finals.values()} == {"abort"}
+        assert llm.llm_engine.is_dead
+    finally:
+        llm.shutdown()
+
+
+def test_load_failure_leaves_no_actors_or_placement_groups(ray_cluster, parallel_models, tmp_path):
+    import shutil
+
+    folder = tmp_path / "corrupt"
+    shutil.copytree(parallel_models["qwen3"][0], folder)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(Exception, match="cannot read weights from"):
+        LLM(str(folder), max_model_len=256, tensor_parallel_size=2)
+    deadline = time.monotonic() + 10
+    while (alive_workers(ray_cluster) or live_placement_groups(ray_cluster)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_workers(ray_cluster)
+    assert not live_placement_groups(ray_cluster)
+
+
+def test_shutdown_releases_actors_and_placement_group(ray_cluster, parallel_models):
+    llm = LLM(str(parallel_models["qwen3"][0]), max_model_len=256, tensor_parallel_size=2)
+    assert len(alive_workers(ray_cluster)) == 2
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while (alive_workers(ray_cluster) or live_placement_groups(ray_cluster)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_workers(ray_cluster) and not live_placement_groups(ray_cluster)
+
+
+def alive_workers(ray) -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
+
+
+def live_placement_groups(ray) -> list:
+    from ray.util.state import list_placement_groups
+
+    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
