@@ -215,9 +215,18 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> torch.dtype:
     if isinstance(checkpoint, str):
         checkpoint = _DTYPES.get(checkpoint, torch.float32)
     # A float32 checkpoint on a GPU runs in bfloat16, as vLLM does: float32 halves throughput.
-    if checkpoint in (None, torch.float32):
-        return torch.bfloat16
+    # GPUs before Ampere have no bfloat16 arithmetic (torch only emulates it): they get float16.
+    if checkpoint in (None, torch.float32, torch.bfloat16):
+        return torch.bfloat16 if _gpu_supports_bfloat16() else torch.float16
     return checkpoint
+
+
+def _gpu_supports_bfloat16() -> bool:
+    """Asked of this process's GPU. An engine without one (its Ray workers hold the GPUs) cannot
+    ask, and assumes Ampere or newer."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:

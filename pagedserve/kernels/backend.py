@@ -1,9 +1,18 @@
-"""Choosing an attention implementation: one signature per operation, several implementations."""
+"""Choosing an attention implementation: one signature per operation, several implementations.
+
+`torch` is the reference (the CPU path and the ground truth); `triton` the paged kernels of
+`triton_attention` (on CUDA, or on the CPU under TRITON_INTERPRET=1 for tests); `flash_attn`
+flash-attn's paged API where that package is installed. `auto` is Triton on CUDA, torch on the CPU.
+The non-reference backends are imported only when chosen, so a CPU install never needs them.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from pagedserve.kernels import reference
 
@@ -18,12 +27,49 @@ class AttentionBackend:
 
 
 TORCH = AttentionBackend("torch", reference.kv_cache_shape, reference.write_kv_cache, reference.paged_attention)
+# Backends whose kernels read lengths from device tensors only, so a CUDA graph can capture them.
+GRAPH_SAFE_BACKENDS = ("triton", "flash_attn")
 
 
-def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """`auto` is the torch reference on the CPU (and, until GPU kernels land, on CUDA too)."""
-    if name in ("auto", "torch"):
+def get_attention_backend(
+    name: str, device: str, *, block_size: int | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The backend called `name` for a `device` ("cpu" or "cuda"); `block_size` and `dtype`, when
+    given, are checked against what the backend supports, so a bad pairing fails at start-up."""
+    if name == "auto":
+        name = "triton" if device == "cuda" and _triton_installed() else "torch"
+    if name == "torch":
         return TORCH
-    raise ValueError(
-        f"attention_backend={name!r} is not available in this build; use 'auto' or 'torch'"
+    if name == "triton":
+        return _triton_backend(device)
+    if name == "flash_attn":
+        return _flash_attn_backend(device, block_size, dtype)
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, triton or flash_attn")
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_backend(device: str) -> AttentionBackend:
+    if not _triton_installed():
+        raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+    from pagedserve.kernels import triton_attention, triton_cache
+
+    if device == "cpu" and not triton_attention.IS_INTERPRETED:
+        raise ValueError(
+            "attention_backend='triton' runs on the CPU only under Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before starting (slow; meant for tests), "
+            "or use attention_backend='torch' (or 'auto') on the CPU"
+        )
+    # The reference's cache layout: a cache written by one can be read by the other.
+    return AttentionBackend(
+        "triton", reference.kv_cache_shape, triton_cache.write_kv_cache, triton_attention.paged_attention
     )
+
+
+def _flash_attn_backend(device: str, block_size: int | None, dtype: torch.dtype | None) -> AttentionBackend:
+    from pagedserve.kernels import flash_attn
+
+    flash_attn.check_supported(block_size, dtype, device)
+    return AttentionBackend("flash_attn", flash_attn.kv_cache_shape, flash_attn.write_kv_cache, flash_attn.paged_attention)

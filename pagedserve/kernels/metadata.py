@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The slot of a padding row (CUDA-graph batches padded up to a captured size): every K/V writer
+# that can run under a graph skips negative slots, so padding never touches a real cache slot.
+PAD_SLOT_ID = -1
+
 
 @dataclass
 class AttentionMetadata:

@@ -12,6 +12,7 @@ import torch
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedserve.kernels import get_attention_backend
+from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.parallel_state import ParallelContext
@@ -26,11 +27,14 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.block_size = engine_config.block_size
-        self.backend = get_attention_backend(engine_config.attention_backend, device.type)
+        self.backend = get_attention_backend(
+            engine_config.attention_backend, device.type, block_size=self.block_size, dtype=model_config.dtype
+        )
         self.sampler = Sampler(engine_config.seed, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps, once the cache exists
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.parallel, self.backend, self.device)
@@ -55,6 +59,10 @@ class ModelRunner:
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.kv_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
             self.kv_caches.append(attn.kv_cache)
+        # Graphs bake in the cache's addresses, so they are captured after it is allocated.
+        if graphs_enabled(self.engine_config, self.backend, self.device):
+            self.cuda_graphs = CudaGraphRunner.for_model(self.model, self.engine_config, self.model_config.max_model_len, self.device)
+            self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -74,7 +82,10 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         inputs = build_step_inputs(scheduler_output, self.requests, self.block_size, self.device)
-        hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
+            hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
         if hidden is None or not inputs.sampled_states:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -27,7 +27,7 @@ class Worker:
         self.parallel = ParallelContext()
         self.device = torch.device(model_config.device)
         self.runner: ModelRunner | None = None
-        self._memory_in_use_at_start = 0
+        self._free_memory_at_start = 0  # CUDA: bytes free once this process's context exists
 
     # ---- placement helpers (called by the Ray executor before init_device) -------------------
 
@@ -60,8 +60,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            self._memory_in_use_at_start = total - free  # other processes' and this context's
+            self._free_memory_at_start = torch.cuda.mem_get_info()[0]  # before any weight loads
         self.runner = ModelRunner(self.engine_config, self.model_config, self.parallel, self.device)
 
     def load_model(self) -> None:
@@ -111,20 +110,33 @@ class Worker:
             sock.close()
 
     def _profile_free_memory(self) -> int:
+        """Bytes for the KV cache. As in vLLM, `gpu_memory_utilization` is this engine's share of
+        the GPU's total memory, whatever other processes use (several engines can share a GPU at
+        0.45 each); that share must be free at start. The cache gets the share less the weights,
+        the activation peak of the largest step, and what this process holds outside torch's
+        allocator (cuBLAS and NCCL workspaces, compiled kernels)."""
+        utilization = self.engine_config.gpu_memory_utilization
+        total = torch.cuda.mem_get_info()[1]
+        requested = int(total * utilization)
+        if requested > self._free_memory_at_start:
+            raise RuntimeError(
+                f"gpu_memory_utilization={utilization} asks for {requested / 2**30:.2f} GiB of the GPU's "
+                f"{total / 2**30:.2f} GiB, but only {self._free_memory_at_start / 2**30:.2f} GiB were free at "
+                "start (other processes hold the rest); lower gpu_memory_utilization or free the GPU"
+            )
         torch.cuda.reset_peak_memory_stats()
         budget_tokens = self.engine_config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default
         self.runner.profile_run(budget_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()  # weights + activations of the largest step
-        free, total = torch.cuda.mem_get_info()
-        # Memory this process holds outside torch's allocator (CUDA context, NCCL buffers).
-        outside_torch = max(total - free - torch.cuda.memory_reserved() - self._memory_in_use_at_start, 0)
-        available = int(total * self.engine_config.gpu_memory_utilization) - self._memory_in_use_at_start - peak - outside_torch
+        free = torch.cuda.mem_get_info()[0]
+        outside_torch = max(self._free_memory_at_start - free - torch.cuda.memory_reserved(), 0)
+        available = requested - peak - outside_torch
         if available <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: the model and a {budget_tokens}-token step peak at "
-                f"{peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB at gpu_memory_utilization="
-                f"{self.engine_config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+                f"{peak / 2**30:.2f} GiB of the {requested / 2**30:.2f} GiB that gpu_memory_utilization="
+                f"{utilization} allows; raise it or lower max_num_batched_tokens"
             )
         torch.cuda.empty_cache()
         return available

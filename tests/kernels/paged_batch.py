@@ -1,0 +1,93 @@
+"""Random ragged batches over a paged KV cache, shaped as the model runner builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import AttentionMetadata
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]: this step's new K/V
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # reference layout, holding random earlier context (not yet this step's)
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],  # tokens cached before each sequence's chunk
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> PagedBatch:
+    """Sequences in the given order (decodes must come first, longest first, as the runner sorts
+    them). Every sequence owns a random, out-of-order set of blocks; the table is padded with 0."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    owners = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    slots, start = [], 0
+    for i, (n, q, c) in enumerate(zip(blocks_per_seq, query_lens, context_lens)):
+        table[i, :n] = torch.tensor(owners[start : start + n], dtype=torch.int32)
+        start += n
+        positions = torch.arange(c, c + q)
+        slots.append(table[i, positions // block_size].long() * block_size + positions % block_size)
+    num_tokens = sum(query_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        num_decodes=_num_leading_decodes(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        seq_lens_host=seq_lens,
+    )
+    kv_cache = randn(2, num_kv_heads, num_blocks, block_size, head_dim)
+    return PagedBatch(
+        query=randn(num_tokens, num_heads, head_dim),
+        key=randn(num_tokens, num_kv_heads, head_dim),
+        value=randn(num_tokens, num_kv_heads, head_dim),
+        kv_cache=kv_cache,
+        meta=meta,
+        scale=head_dim**-0.5,
+    )
+
+
+def _num_leading_decodes(query_lens: list[int]) -> int:
+    count = 0
+    while count < len(query_lens) and query_lens[count] == 1:
+        count += 1
+    assert all(q > 1 for q in query_lens[count:]), "decodes must come first"
+    return count
+
+
+def random_lengths(num_decodes: int, num_prefills: int, max_context: int, max_query: int, seed: int):
+    """(query_lens, context_lens) with decodes first, longest first; prefills ragged, some with
+    cached context (chunked prefill or prefix hits) and some without."""
+    gen = torch.Generator().manual_seed(seed)
+    decode_ctx = sorted((int(x) for x in torch.randint(0, max_context, (num_decodes,), generator=gen)), reverse=True)
+    prefill_q = [int(x) for x in torch.randint(2, max_query + 1, (num_prefills,), generator=gen)]
+    prefill_ctx = [int(x) if i % 2 else 0 for i, x in enumerate(torch.randint(0, max_context, (num_prefills,), generator=gen))]
+    return [1] * num_decodes + prefill_q, decode_ctx + prefill_ctx
