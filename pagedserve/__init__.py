@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedserve.engine.llm",
     "LLMEngine": "pagedserve.engine.llm_engine",
+    "AsyncLLM": "pagedserve.engine.async_llm",
     "EngineConfig": "pagedserve.config",
     "SamplingParams": "pagedserve.sampling_params",
     "RequestOutputKind": "pagedserve.sampling_params",
@@ -23,6 +24,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestOutput

@@ -1,7 +1,11 @@
-"""`pagedserve generate`: complete prompts offline and print them.
+"""The `pagedserve` command.
 
-Every engine argument is a flag (`--max-model-len`, `--tensor-parallel-size`, ...); run
-`pagedserve generate --help` for the list.
+- `pagedserve serve [--config FILE.yaml] [flags]`: the OpenAI-compatible server on Ray Serve.
+  With no arguments it serves the built-in demo model.
+- `pagedserve generate [flags]`: complete prompts offline and print them.
+
+Every config field is a flag (`--max-model-len`, `--tensor-parallel-size`, `--num-replicas`, ...);
+flags override the YAML file. Run `pagedserve serve --help` for the list.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import json
 import sys
 
 from pagedserve.cli_args import add_model_arguments, given_fields
-from pagedserve.config import EngineConfig
+from pagedserve.config import DeploymentConfig, EngineConfig, ServerConfig
 
 DEMO_PROMPTS = [
     "Hello, my name is",
@@ -24,6 +28,7 @@ DEMO_PROMPTS = [
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve", description="A distributed LLM inference server on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
     _add_generate(commands)
     args = parser.parse_args(argv)
     try:
@@ -31,6 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 2
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
+    parser.add_argument("--config", help="a YAML file of server settings (see configs/local.yaml)")
+    add_model_arguments(parser, ServerConfig, skip=("engine", "deployment"), title="server")
+    add_model_arguments(parser, EngineConfig, skip=("model",), title="engine (YAML: under engine:)")
+    add_model_arguments(parser, DeploymentConfig, title="deployment (YAML: under deployment:)")
+    parser.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.launcher import serve_forever
+
+    config = ServerConfig.load(args.config, given_fields(args, ServerConfig, EngineConfig, DeploymentConfig))
+    return serve_forever(config)
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ user actually gives are returned, so a YAML file's values survive unless a flag 
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from typing import Any, Literal
@@ -14,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group(f"{model.__name__} fields")
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = (), title: str | None = None) -> None:
+    group = parser.add_argument_group(title or f"{model.__name__} fields")
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -28,9 +29,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
             group.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS, help=help_text)
 
 
-def given_fields(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+def given_fields(args: argparse.Namespace, *models: type[BaseModel]) -> dict[str, Any]:
     """The config fields the user set on the command line (defaults are suppressed)."""
-    return {name: value for name, value in vars(args).items() if name in model.model_fields}
+    return {name: value for name, value in vars(args).items() if any(name in m.model_fields for m in models)}
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list | None]:
@@ -44,4 +45,16 @@ def _flag_type(annotation: Any) -> tuple[Any, list | None]:
         return type(values[0]), values
     if annotation in (int, float, str, bool):
         return annotation, None
+    if origin is dict:
+        return _json_object, None
     return str, None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

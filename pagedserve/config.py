@@ -84,6 +84,15 @@ class EngineConfig(BaseModel):
                 )
         return self
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """'uni' (one rank in this process) or 'ray' (worker actors); more than one rank needs Ray."""
+        return self.distributed_executor_backend or ("ray" if self.world_size > 1 else "uni")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments, turning pydantic's report into one readable ValueError."""
@@ -93,16 +102,90 @@ class EngineConfig(BaseModel):
             raise ValueError(describe_validation_error(error, "engine argument")) from None
 
 
+class DeploymentConfig(BaseModel):
+    """Ray Serve options of the LLMServer deployment (passed through to Serve as given)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling (min_replicas, max_replicas, target_ongoing_requests, ...); replaces num_replicas."
+    )
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica handles at once.")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests waiting for a replica before 503s; -1: no limit.")
+
+
+class ServerConfig(BaseModel):
+    """`pagedserve serve`: the YAML file's keys and the command's flags. Engine arguments go
+    under `engine:` (flags keep their names: --max-model-len sets engine.max_model_len)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEMO_MODEL, description="A local Hugging Face checkpoint folder, or 'demo'.")
+    served_model_name: str | None = Field(None, description="The name clients ask for; default: the folder's name.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY).")
+    graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+
+    @model_validator(mode="after")
+    def _engine_arguments_are_valid(self) -> ServerConfig:
+        if "model" in self.engine:
+            raise ValueError("set the model at the top level ('model:'), not under 'engine:'")
+        self.engine_config()  # raises, naming the bad key
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_kwargs(model=self.model, **self.engine)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return DEMO_MODEL if self.model == DEMO_MODEL else Path(self.model).name
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+        """A YAML file's settings with `overrides` (flags) on top; engine and deployment fields may
+        be given flat in the overrides. Raises ValueError naming the bad key."""
+        import yaml
+
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as error:
+                raise ValueError(f"cannot read config file {path}: {error}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"config file {path} must hold a mapping of settings")
+        data = {**data, "engine": dict(data.get("engine") or {}), "deployment": dict(data.get("deployment") or {})}
+        for name, value in (overrides or {}).items():
+            if name in EngineConfig.model_fields and name not in cls.model_fields:
+                data["engine"][name] = value
+            elif name in DeploymentConfig.model_fields:
+                data["deployment"][name] = value
+            else:
+                data[name] = value
+        try:
+            return cls(**data)
+        except ValidationError as error:
+            raise ValueError(describe_validation_error(error, "setting")) from None
+
+
 def describe_validation_error(error: ValidationError, what: str) -> str:
     """One line per problem: the field, the value given, and what is allowed."""
     lines = []
     for item in error.errors():
         name = ".".join(str(part) for part in item["loc"]) or "(config)"
+        message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown {what} '{name}'")
+        elif not item["loc"]:  # a whole-model check: its message names what is wrong
+            lines.append(message)
         else:
-            given = f" (got {item['input']!r})" if "input" in item and item["loc"] else ""
-            message = item["msg"].removeprefix("Value error, ")
+            given = f" (got {item['input']!r})" if "input" in item else ""
             lines.append(f"{what} '{name}'{given}: {message}")
     return "; ".join(lines)
 
@@ -138,7 +221,7 @@ def resolve_model_config(config: EngineConfig) -> ModelConfig:
     tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
     hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, in_process=config.executor_backend == "uni")
     num_heads = hf_config.num_attention_heads
     return ModelConfig(
         model_path=str(model_path),
@@ -178,11 +261,20 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, in_process: bool = True) -> str:
+    """Where the model runs. In this process: what torch sees here. On Ray workers: GPUs if the
+    cluster has any (the engine's own process may well have none)."""
+    if in_process:
+        has_gpu = torch.cuda.is_available()
+    else:
+        from pagedserve.workers.ray_executor import cluster_resources
+
+        has_gpu = cluster_resources().get("GPU", 0) > 0
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+        return "cuda" if has_gpu else "cpu"
+    if device == "cuda" and not has_gpu:
+        where = "in this process" if in_process else "in the Ray cluster"
+        raise ValueError(f"device='cuda' was asked for but no CUDA device is available {where}")
     return device
 
 

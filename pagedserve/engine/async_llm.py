@@ -17,15 +17,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
+from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -41,16 +44,17 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
-        """`on_step(engine, outputs)` runs on the loop thread after every step (metrics)."""
-        self.engine = LLMEngine(config)
-        self.on_step = on_step
+    def __init__(self, config: EngineConfig, placement_group: Any = None):
+        """`placement_group`: a Ray Serve replica's, for the workers (see Executor.create)."""
+        self.engine = LLMEngine(config, placement_group)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._commands: deque[tuple] = deque()
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopping = False
+        self._stats = self.engine.stats_snapshot()  # refreshed by the loop thread
+        self._stats_time = 0.0
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine-loop", daemon=True)
         self._thread.start()
 
@@ -114,6 +118,10 @@ class AsyncLLM:
             self._thread.join(timeout)
         self.engine.shutdown()
 
+    def stats(self) -> EngineStats:
+        """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy)."""
+        return self._stats
+
     def num_unfinished_requests(self) -> int:
         with self._lock:
             return len(self._streams)
@@ -128,6 +136,8 @@ class AsyncLLM:
         try:
             while True:
                 with self._lock:
+                    if not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                        self._refresh_stats(force=True)  # going idle: publish the final state
                     while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                         self._wakeup.wait()
                     if self._stopping:
@@ -137,15 +147,20 @@ class AsyncLLM:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._deliver(outputs)
-                    if self.on_step is not None:
-                        self.on_step(self.engine, outputs)
+                    self._deliver(self.engine.step())
+                    self._refresh_stats()
                     if self.engine.is_dead:
                         raise EngineDeadError(self.engine.dead_reason)
         except BaseException as error:  # the loop must never die silently
             logger.exception("engine loop failed")
             self._fail(error)
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        """Snapshots are taken here, on the loop thread, so they never see a half-done step."""
+        now = time.monotonic()
+        if force or now - self._stats_time >= STATS_INTERVAL_S:
+            self._stats = self.engine.stats_snapshot()
+            self._stats_time = now
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.chat import render_chat
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.request_output import RequestOutput
@@ -60,16 +61,7 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            try:
-                text = tokenizer.apply_chat_template(
-                    conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-                )
-            except Exception as error:  # jinja and transformers raise many kinds
-                raise ValueError(f"cannot apply the chat template: {error}") from None
-            # The template already holds any special tokens: do not let the tokenizer add more.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [render_chat(tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_per_prompt(self, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:

@@ -14,6 +14,7 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig, resolve_model_config
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
@@ -31,12 +32,14 @@ class EngineDeadError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement_group: Any = None):
+        """`placement_group`: a Ray Serve replica's, for its workers (see Executor.create)."""
         self.config = config
+        self.placement_group = placement_group
         model_config = resolve_model_config(config)
         self.tokenizer = load_tokenizer(model_config.tokenizer_path)
         self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
-        self.executor = Executor.create(config, self.model_config)
+        self.executor = Executor.create(config, self.model_config, placement_group)
         try:
             num_blocks = self._initialize_kv_cache()
         except BaseException:
@@ -55,7 +58,11 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.input_processor = InputProcessor(self.tokenizer, config, self.model_config, num_blocks * config.block_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        # Its own tokenizer instance: under AsyncLLM the output side decodes on the loop thread
+        # while callers encode on theirs, and one fast tokenizer used from two threads can fail
+        # ("Already borrowed": encoding may reconfigure it mutably).
+        self.output_processor = OutputProcessor(load_tokenizer(self.model_config.tokenizer_path), self.stats)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
     @classmethod
@@ -110,6 +117,17 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def stats_snapshot(self) -> EngineStats:
+        """Counters and histograms so far, with the scheduler's gauges as of now."""
+        snapshot = self.stats.copy()
+        snapshot.num_requests_running = self.scheduler.num_running
+        snapshot.num_requests_waiting = self.scheduler.num_waiting
+        snapshot.kv_cache_usage_perc = self.kv_cache_manager.usage
+        snapshot.num_preemptions_total = self.scheduler.num_preemptions_total
+        snapshot.prefix_cache_queries_total = self.kv_cache_manager.num_prefix_queries
+        snapshot.prefix_cache_hits_total = self.kv_cache_manager.num_prefix_hits
+        return snapshot
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -143,7 +161,7 @@ class LLMEngine:
         if self._consecutive_failures > self.config.max_worker_restarts:
             return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
         try:
-            executor = Executor.create(self.config, self.model_config)
+            executor = Executor.create(self.config, self.model_config, self.placement_group)
         except Exception as rebuild_error:
             return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
         self.executor = executor

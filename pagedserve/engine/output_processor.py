@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -67,8 +68,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, stats: EngineStats | None = None):
         self.tokenizer = tokenizer
+        self.stats = stats or EngineStats()
         self.vocab_size = len(tokenizer)
         self.states: dict[str, RequestState] = {}  # by child (scheduler) request id
         self.parents: dict[str, ParentRequest] = {}  # by user request id
@@ -99,10 +101,13 @@ class OutputProcessor:
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget user requests; returns the scheduler ids to abort."""
         child_ids = []
+        now = time.monotonic()
         for request_id in request_ids:
             for child_id in self.child_ids(request_id):
-                if self.states.pop(child_id, None) is not None:
+                state = self.states.pop(child_id, None)
+                if state is not None:
                     child_ids.append(child_id)
+                    self.stats.record_finished("abort", now - state.parent.metrics.arrival_time)
             self.parents.pop(request_id, None)
         return child_ids
 
@@ -112,6 +117,7 @@ class OutputProcessor:
         for child_id in child_ids:
             state = self.states.pop(child_id, None)
             if state is not None:
+                self.stats.record_finished("abort", time.monotonic() - state.parent.metrics.arrival_time)
                 output = self._make_output(state, "abort", None, 0)
                 if output is not None:
                     outputs.append(output)
@@ -130,16 +136,14 @@ class OutputProcessor:
                 stopped_by_string.append(out.req_id)
             if finish_reason is not None:
                 del self.states[out.req_id]
+                self.stats.record_finished(finish_reason, now - state.parent.metrics.arrival_time)
             request_output = self._make_output(state, finish_reason, stop_reason, out.num_cached_tokens)
             if request_output is not None:
                 request_outputs.append(request_output)
         return request_outputs, stopped_by_string
 
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> tuple[str | None, int | str | None]:
-        metrics = state.parent.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
+        self._record_token_times(state, out, now)
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and state.logprobs is not None:
             self._append_logprobs(state, out.new_logprobs)
@@ -148,6 +152,21 @@ class OutputProcessor:
         if stop_string is not None:
             return "stop", stop_string  # a stop string wins over a length cap in the same token
         return out.finish_reason, out.stop_reason
+
+    def _record_token_times(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
+        metrics, stats = state.parent.metrics, self.stats
+        if not state.token_ids:  # this child's first token: its prompt is processed
+            stats.prompt_tokens_total += len(state.parent.prompt_token_ids)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.first_scheduled_time = out.first_scheduled_time
+                stats.time_to_first_token_seconds.observe(now - metrics.arrival_time)
+                if out.first_scheduled_time is not None:
+                    stats.request_queue_time_seconds.observe(out.first_scheduled_time - metrics.arrival_time)
+        elif metrics.last_token_time is not None:
+            stats.inter_token_latency_seconds.observe(now - metrics.last_token_time)
+        metrics.last_token_time = now
+        stats.generation_tokens_total += len(out.new_token_ids)
 
     def _append_logprobs(self, state: RequestState, lp: TokenLogprobs) -> None:
         entry = {}

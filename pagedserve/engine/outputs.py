@@ -89,3 +89,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: int | str | None = None  # the stop token id (or, later, stop string)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute

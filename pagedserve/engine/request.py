@@ -64,6 +64,7 @@ class Request:
         self.max_cached_tokens = min(len(prompt_token_ids) + self.max_tokens - 1, max_model_len)
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache on first schedule
+        self.first_scheduled_time: float | None = None  # for the queue-time metric
         self.num_preemptions = 0
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].
         self.num_tokens_on_workers = 0

@@ -18,6 +18,7 @@ token-level stop conditions, and frees the blocks of finished requests.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pagedserve.engine.kv_cache_manager import KVCacheManager
@@ -134,6 +135,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -169,6 +171,7 @@ class Scheduler:
                     request.status.finish_reason,
                     request.stop_reason,
                     max(request.num_cached_tokens, 0),
+                    request.first_scheduled_time,
                 )
             )
         if any_finished:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -20,10 +21,11 @@ class Executor(ABC):
         self.model_config = model_config
 
     @staticmethod
-    def create(engine_config: EngineConfig, model_config: ModelConfig) -> Executor:
-        world_size = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
-        backend = engine_config.distributed_executor_backend or ("ray" if world_size > 1 else "uni")
-        if backend == "uni":
+    def create(engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None) -> Executor:
+        """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
+        replica's own) hold the workers; by default the Ray executor makes its own."""
+        world_size = engine_config.world_size
+        if engine_config.executor_backend == "uni":
             if world_size > 1:
                 raise ValueError(
                     f"distributed_executor_backend='uni' runs one rank in-process; "
@@ -34,6 +36,8 @@ class Executor(ABC):
             return UniProcExecutor(engine_config, model_config)
         from pagedserve.workers.ray_executor import RayExecutor
 
+        if placement_group is not None:
+            return RayExecutor(engine_config, model_config, placement_group, first_bundle=1)
         return RayExecutor(engine_config, model_config)
 
     @abstractmethod

@@ -32,6 +32,13 @@ LIVENESS_CHECK_INTERVAL_S = 1.0
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
 
 
+def cluster_resources() -> dict[str, float]:
+    import ray
+
+    ensure_ray_initialized(1)
+    return ray.cluster_resources()
+
+
 def ensure_ray_initialized(world_size: int) -> None:
     """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one
     with at least one CPU slot per rank."""
@@ -50,7 +57,7 @@ class RayExecutor(Executor):
         """`placement_group`: use this one's bundles from `first_bundle` on (a Serve replica's);
         by default the executor creates and owns a group of TP x PP bundles."""
         super().__init__(engine_config, model_config)
-        self.world_size = engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size
+        self.world_size = engine_config.world_size
         # The sampling rank: the last stage's first TP rank.
         self.driver_rank = (engine_config.pipeline_parallel_size - 1) * engine_config.tensor_parallel_size
         self.workers: list[Any] = []

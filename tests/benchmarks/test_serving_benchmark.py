@@ -120,7 +120,6 @@ def test_http_fixed_concurrency_against_fake_server(fake_server, capsys):
 
 
 def test_compare_sweep_inprocess_then_http(fake_server, tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="the PNG needs the bench extra: pip install -e '.[bench]'")
     _, url = fake_server
     plot, output = tmp_path / "latency.png", tmp_path / "report.json"
     argv = ["--compare", "--model-path", "demo", "--max-model-len", "128", "--base-url", url, "--model", FAKE_MODEL,

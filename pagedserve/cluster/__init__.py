@@ -1,0 +1,1 @@
+"""Ray Serve deployments, the OpenAI protocol and routes, launch helpers."""

@@ -1,0 +1,75 @@
+"""The Serve application: OpenAI ingress -> LLMServer (one AsyncLLM per replica), plus the
+metrics hub.
+
+`build_app` is the Serve config's `import_path` (`pagedserve.cluster.app:build_app`): Serve calls
+it with the config's `args`, which are `ServerConfig` fields (engine arguments under `engine:` or
+flat). The LLMServer replicas get a placement group each: bundle 0 for the replica (one CPU), then
+one bundle per TP x PP rank (a GPU each on a GPU cluster). A CPU-only, single-rank engine runs in
+the replica itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.config import ServerConfig
+
+REPLICA_BUNDLE = {"CPU": 1}
+
+
+def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
+    from ray import serve
+
+    from pagedserve.cluster.ingress import OpenAIIngress
+    from pagedserve.cluster.llm_server import LLMServer
+    from pagedserve.cluster.metrics_hub import MetricsHub
+
+    config = args if isinstance(args, ServerConfig) else ServerConfig.load(overrides=args or {})
+    config, worker_bundles = place_workers(config)
+    options = config.deployment
+    server_options: dict[str, Any] = dict(
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queued_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_s,
+        health_check_period_s=5,
+        ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},
+    )
+    if options.autoscaling_config is not None:
+        server_options["autoscaling_config"] = options.autoscaling_config
+    else:
+        server_options["num_replicas"] = options.num_replicas
+    if worker_bundles:
+        server_options["placement_group_bundles"] = [REPLICA_BUNDLE, *worker_bundles]
+        server_options["placement_group_strategy"] = "PACK"
+
+    hub = serve.deployment(MetricsHub, name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub)
+    return serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0}).bind(
+        {config.model_name: server}, hub, config.api_key
+    )
+
+
+def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, float]]]:
+    """Decide where the engine's ranks run, and check the cluster can hold them (before any
+    actor starts). Returns the config with the executor backend set, and the worker bundles."""
+    from pagedserve.workers.ray_executor import cluster_resources
+
+    engine = config.engine_config()
+    resources = cluster_resources()
+    use_gpu = engine.device == "cuda" or (engine.device == "auto" and resources.get("GPU", 0) > 0)
+    if not use_gpu and engine.world_size == 1:
+        return config, []  # one CPU rank: the replica runs it itself
+    kind = "GPU" if use_gpu else "CPU"
+    replicas = config.deployment.num_replicas
+    if config.deployment.autoscaling_config is not None:
+        replicas = int(config.deployment.autoscaling_config.get("min_replicas", 1))
+    needed = engine.world_size * max(replicas, 1) + (REPLICA_BUNDLE["CPU"] * max(replicas, 1) if kind == "CPU" else 0)
+    available = resources.get(kind, 0)
+    if available < needed:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size = {engine.world_size} per replica x {max(replicas, 1)} "
+            f"replica(s) needs {needed} {kind}s but the Ray cluster has {available:g}"
+        )
+    engine_args = {**config.engine, "distributed_executor_backend": "ray", "device": "cuda" if use_gpu else "cpu"}
+    config = config.model_copy(update={"engine": engine_args})
+    return config, [{kind: 1}] * engine.world_size

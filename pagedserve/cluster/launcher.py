@@ -1,0 +1,84 @@
+"""`pagedserve serve`: run the OpenAI-compatible Serve app until SIGINT or SIGTERM.
+
+It joins the Ray cluster at RAY_ADDRESS or starts a local one, checks the cluster can hold the
+engine's ranks before any actor starts, prints the URL and a curl example, and on a signal stops
+taking requests, lets in-flight ones finish for `graceful_shutdown_s` (Serve then aborts them),
+releases every actor and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+from pagedserve.config import ServerConfig
+
+APP_NAME = "pagedserve"
+
+
+def serve_forever(config: ServerConfig) -> int:
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.app import build_app
+
+    started_ray = _ensure_ray()
+    try:
+        app = build_app(config)  # validates the placement before any actor starts
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        _print_banner(config)
+        stop = _wait_for_signal()
+        print(f"pagedserve: {signal.Signals(stop).name} received: draining (up to {config.graceful_shutdown_s:g} s)", flush=True)
+        serve.delete(APP_NAME, _blocking=True)
+        serve.shutdown()
+    finally:
+        if started_ray:
+            ray.shutdown()
+    print("pagedserve: stopped", flush=True)
+    return 0
+
+
+def _ensure_ray() -> bool:
+    """Join RAY_ADDRESS, or start a local Ray; True if this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        return False
+    ray.init(include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _wait_for_signal() -> int:
+    received: list[int] = []
+    wake = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        wake.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+    while not wake.wait(1.0):  # a timeout keeps the main thread responsive to signals
+        pass
+    return received[0]
+
+
+def _print_banner(config: ServerConfig) -> None:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    url = f"http://{host}:{config.port}"
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key or os.environ.get("PAGEDSERVE_API_KEY") else ""
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % config.model_name
+    print(
+        f"pagedserve: serving '{config.model_name}' at {url}/v1 (started {time.strftime('%H:%M:%S')})\n"
+        f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+        "  stop with Ctrl-C or SIGTERM",
+        flush=True,
+        file=sys.stdout,
+    )

@@ -1,0 +1,110 @@
+"""LLMServer: the Ray Serve deployment that hosts one AsyncLLM.
+
+Its workers go into the replica's placement group (bundle 0 is the replica itself, the rest hold
+the TP x PP ranks; see app.py). It streams `RequestOutput`s to the ingress, and turns bad input
+into an `ErrorInfo` item rather than an exception, so the ingress can answer with the right
+status before it starts a stream. Every second it reports its engine statistics to the metrics
+hub, which sums the replicas for /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from pagedserve.config import ServerConfig
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.chat import render_chat
+from pagedserve.engine.llm_engine import EngineDeadError
+from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.request_output import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_REPORT_INTERVAL_S = 1.0
+
+
+@dataclass
+class ErrorInfo:
+    """A request the engine refused: the ingress maps it onto OpenAI's error shape."""
+
+    status: int
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+
+
+class LLMServer:
+    def __init__(self, config: ServerConfig, metrics_hub: Any = None):
+        import ray
+        from ray import serve
+
+        engine_config = config.engine_config()
+        group = ray.util.get_current_placement_group() if engine_config.executor_backend == "ray" else None
+        self.llm = AsyncLLM(engine_config, group)
+        self.model_name = config.model_name
+        self.replica_id = str(serve.get_replica_context().replica_id)
+        self.metrics_hub = metrics_hub
+        self._stopped = threading.Event()
+        if metrics_hub is not None:
+            threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
+
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput | ErrorInfo]:
+        """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}."""
+        try:
+            if isinstance(prompt, dict) and "messages" in prompt:
+                prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+            async for output in self.llm.generate(prompt, params, request_id):
+                yield output
+        except ValueError as error:
+            yield ErrorInfo(400, str(error))
+        except EngineDeadError as error:
+            yield ErrorInfo(503, f"the engine is not running: {error}", "ServiceUnavailableError")
+
+    async def tokenize(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int] | ErrorInfo:
+        tokenizer = self.llm.tokenizer
+        try:
+            if messages is not None:
+                return render_chat(tokenizer, messages)["prompt_token_ids"]
+            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        except ValueError as error:
+            return ErrorInfo(400, str(error))
+
+    async def detokenize(self, tokens: list[int]) -> str | ErrorInfo:
+        vocab = self.llm.engine.model_config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            return ErrorInfo(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        # Ids past the tokenizer (embedding padding) decode to nothing, as in generation.
+        size = len(self.llm.tokenizer)
+        return self.llm.tokenizer.decode([t for t in tokens if t < size])
+
+    async def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "max_model_len": self.llm.engine.model_config.max_model_len}
+
+    async def is_healthy(self) -> bool:
+        return self.llm.is_healthy
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a dead engine gets the replica replaced."""
+        if not self.llm.is_healthy:
+            raise RuntimeError(f"engine is dead: {self.llm.dead_reason}")
+
+    def stats(self) -> EngineStats:
+        return self.llm.stats()
+
+    def _report_stats(self) -> None:
+        while not self._stopped.wait(STATS_REPORT_INTERVAL_S):
+            try:
+                self.metrics_hub.report.remote(self.model_name, self.replica_id, self.llm.stats()).result(timeout_s=10)
+            except Exception:  # the hub restarting must not take the replica down
+                logger.debug("could not report stats", exc_info=True)
+
+    def __del__(self) -> None:
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
+            self.llm.shutdown()

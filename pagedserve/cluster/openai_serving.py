@@ -1,0 +1,209 @@
+"""The completions and chat endpoints' logic, independent of the web framework: map a validated
+request onto engine requests, and turn their outputs into OpenAI bodies or SSE events.
+
+The engine is reached through an `EngineClient` (an async generator of `RequestOutput`s, or an
+`ErrorInfo` first when the engine refuses the request), so the same code serves a Serve handle and
+an in-process AsyncLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from pagedserve.cluster import openai_format as fmt
+from pagedserve.cluster.llm_server import ErrorInfo
+from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pagedserve.engine.request_output import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error to send in OpenAI's shape: {"error": {"message", "type", "code", "param"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param}}
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> APIError:
+        return cls(info.status, info.message, info.type, info.param)
+
+
+class EngineClient(Protocol):
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput | ErrorInfo]: ...
+
+
+@dataclass
+class _Started:
+    """One engine request whose first item has arrived (so refusals are known before any reply)."""
+
+    first: RequestOutput
+    rest: AsyncIterator[RequestOutput | ErrorInfo]
+
+
+class OpenAIServing:
+    def __init__(self, model_name: str, client: EngineClient):
+        self.model_name = model_name
+        self.client = client
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
+        params = _sampling_params(request, request.max_tokens, request.logprobs)
+        response_id = fmt.new_id("cmpl")
+        try:
+            prompts = request.prompts()
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from None
+        started = await self._start(response_id, prompts, params)
+        num_top = request.logprobs or 0
+
+        def choice(index: int, completion: CompletionOutput, first: bool) -> dict:
+            return fmt.completion_choice(index, completion, num_top)
+
+        if request.stream:
+            return self._events("text_completion", response_id, request, started, choice)
+        return await self._final("text_completion", response_id, request.n, started, choice)
+
+    async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        params = _sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        response_id = fmt.new_id("chatcmpl")
+        messages = [m.as_template_message() for m in request.messages]
+        prompt = {"messages": messages, "add_generation_prompt": request.add_generation_prompt}
+        started = await self._start(response_id, [prompt], params)
+        num_top = request.top_logprobs or 0
+        if request.stream:
+            def chunk_choice(index: int, completion: CompletionOutput, first: bool) -> dict:
+                return fmt.chat_chunk_choice(index, completion, num_top, first)
+
+            return self._events("chat.completion.chunk", response_id, request, started, chunk_choice)
+
+        def choice(index: int, completion: CompletionOutput, first: bool) -> dict:
+            return fmt.chat_choice(index, completion, num_top)
+
+        return await self._final("chat.completion", response_id, request.n, started, choice)
+
+    # ---- engine requests ---------------------------------------------------------------------
+
+    async def _start(self, response_id: str, prompts: list[Any], params: SamplingParams) -> list[_Started]:
+        """Send every prompt and wait for each first item; a refusal cancels the others."""
+        streams = [self.client.generate(f"{response_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        try:
+            firsts = await asyncio.gather(*(anext(stream) for stream in streams))
+        except BaseException:
+            await _close_all(streams)
+            raise
+        error = next((item for item in firsts if isinstance(item, ErrorInfo)), None)
+        if error is not None:
+            await _close_all(streams)
+            raise APIError.from_info(error)
+        return [_Started(first, stream) for first, stream in zip(firsts, streams)]
+
+    async def _final(self, object_type: str, response_id: str, n: int, started: list[_Started], choice: Callable) -> dict:
+        """Non-streaming: each request's one output is final (FINAL_ONLY) and holds all n samples."""
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for prompt_index, item in enumerate(started):
+            final = item.first
+            if any(c.finish_reason == "abort" for c in final.outputs):
+                raise APIError(503, "the request was aborted: the engine stopped serving it", "ServiceUnavailableError")
+            prompt_tokens += len(final.prompt_token_ids)
+            for completion in final.outputs:
+                completion_tokens += len(completion.token_ids)
+                choices.append(choice(prompt_index * n + completion.index, completion, False))
+        body = fmt.envelope(object_type, response_id, self.model_name, choices)
+        body["usage"] = fmt.usage(prompt_tokens, completion_tokens)
+        return body
+
+    async def _events(
+        self, object_type: str, response_id: str, request: SamplingFields, started: list[_Started], choice: Callable
+    ) -> AsyncIterator[str]:
+        """SSE events. A chunk that finishes a choice carries the usage so far (the last one the
+        total); with stream_options.include_usage a final chunk with no choices carries it too."""
+        created = int(time.time())
+        prompt_tokens = sum(len(item.first.prompt_token_ids) for item in started)
+        completion_tokens = 0
+        seen: set[int] = set()
+        try:
+            async for prompt_index, output in _merge(started):
+                if isinstance(output, ErrorInfo):
+                    yield _event(APIError.from_info(output).body())
+                    break
+                for completion in output.outputs:
+                    index = prompt_index * request.n + completion.index
+                    completion_tokens += len(completion.token_ids)
+                    chunk = fmt.envelope(object_type, response_id, self.model_name, [choice(index, completion, index not in seen)], created)
+                    seen.add(index)
+                    if completion.finish_reason is not None:
+                        chunk["usage"] = fmt.usage(prompt_tokens, completion_tokens)
+                    yield _event(chunk)
+            if request.include_usage:
+                chunk = fmt.envelope(object_type, response_id, self.model_name, [], created)
+                chunk["usage"] = fmt.usage(prompt_tokens, completion_tokens)
+                yield _event(chunk)
+            yield "data: [DONE]\n\n"
+        finally:
+            await _close_all([item.rest for item in started])
+
+
+async def _merge(started: list[_Started]) -> AsyncIterator[tuple[int, RequestOutput | ErrorInfo]]:
+    """Items of several streams as they come, tagged with their stream's index."""
+    if len(started) == 1:
+        yield 0, started[0].first
+        async for item in started[0].rest:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, item: _Started) -> None:
+        try:
+            await queue.put((index, item.first))
+            async for output in item.rest:
+                await queue.put((index, output))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, item)) for i, item in enumerate(started)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output = await queue.get()
+            if output is done:
+                remaining -= 1
+            else:
+                yield index, output
+        for task in tasks:
+            task.result()  # surface an exception from a stream
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return request.sampling_params(max_tokens, logprobs)
+    except ValueError as error:
+        message = str(error)
+        param = message.split("=")[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        raise APIError(400, message, param=param) from None
+
+
+async def _close_all(streams: list[AsyncIterator]) -> None:
+    for stream in streams:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:  # closing a stream that already failed
+                pass
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

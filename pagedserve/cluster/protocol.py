@@ -1,0 +1,181 @@
+"""OpenAI's request bodies (with vLLM's extras) as pydantic models, and their mapping onto
+`SamplingParams`. Validation happens here, where the request enters: an unknown field, a value
+out of range or a feature we do not serve is a 400 that names it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (naming the field) for values SamplingParams does not allow."""
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **{name: value for name, value in optional.items() if value is not None},
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+# A completion prompt: text, a list of texts, token ids, or a list of token-id lists.
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False  # echoing the prompt is not served
+    best_of: int | None = None
+    suffix: None = None  # insertion is not served
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of different from n is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def prompts(self) -> list[Union[str, dict]]:
+        """The request's prompts in the engine's form (texts, or dicts of token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        if not prompt:
+            raise ValueError("prompt must not be an empty list")
+        return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True  # vLLM extra
+    tools: None = None  # tool calling is not served
+    tool_choice: None = None
+    response_format: None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

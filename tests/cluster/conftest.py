@@ -1,0 +1,57 @@
+"""Serve is started once per session on a free port; each test module deploys the apps it needs
+(under their own route prefixes) and deletes them when it is done."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import requests
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster) -> str:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def deploy(config, name: str, route_prefix: str) -> None:
+    from ray import serve
+
+    from pagedserve.cluster.app import build_app
+
+    serve.run(build_app(config), name=name, route_prefix=route_prefix)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05):
+    """Poll until predicate() is truthy; returns its value, or raises after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server on real Ray Serve, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import requests
+import openai
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import ServerConfig
+from tests.cluster.conftest import deploy, metric_values, wait_until
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 512
+APP = "openai-test"
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_url, model_dirs):
+    from ray import serve
+
+    config = ServerConfig(model=str(model_dirs["llama"]), served_model_name=MODEL, engine={"max_model_len": MAX_MODEL_LEN})
+    deploy(config, APP, "/")
+    yield serve_url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs):
+    """The same checkpoint offline: what the server must reproduce."""
+    llm = LLM(str(model_dirs["llama"]), max_model_len=MAX_MODEL_LEN)
+    yield llm
+    llm.shutdown()
+
+
+def greedy(offline: LLM, prompt, max_tokens: int = 16, **kwargs):
+    """The offline completion: text, token ids and finish reason the server must reproduce (the
+    random test model may well stop at EOS before max_tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+    return offline.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def greedy_text(offline: LLM, prompt, max_tokens: int = 16) -> str:
+    return greedy(offline, prompt, max_tokens).text
+
+
+def engine_stats():
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name=APP).stats.remote().result()
+
+
+# ---- completions and chat ------------------------------------------------------------------
+
+
+def test_completion_matches_offline(client, offline):
+    response = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=16, temperature=0)
+    choice, expected = response.choices[0], greedy(offline, "Hello, my name is")
+    assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
+    assert response.object == "text_completion"
+    prompt_tokens = len(offline.get_tokenizer().encode("Hello, my name is"))
+    completion_tokens = len(expected.token_ids)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+    assert response.usage.total_tokens == prompt_tokens + completion_tokens
+
+
+def test_completion_prompt_lists_and_token_ids(client, offline):
+    ids = offline.get_tokenizer().encode("The capital of France is")
+    batch = client.completions.create(model=MODEL, prompt=["Hello", "Once upon a time"], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == greedy_text(offline, "Hello", 6)
+    assert batch.choices[2].text == greedy_text(offline, "Once upon a time", 6)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == greedy_text(offline, {"prompt_token_ids": ids}, 6)
+
+
+def test_streamed_completion_equals_unstreamed(client, offline):
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    expected = greedy(offline, "Once upon a time", 20)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == [expected.finish_reason]
+    assert finishing[0].usage.completion_tokens == len(expected.token_ids)  # every stream carries usage
+
+
+def test_chat_streamed_and_not(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0)
+    assert response.choices[0].message.content == expected.text and response.choices[0].message.role == "assistant"
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_n_samples_with_seed_are_reproducible(client):
+    def sample():
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], n=3, seed=11, max_tokens=10, temperature=1.0
+        )
+
+    first, second = sample(), sample()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+    assert 3 <= first.usage.completion_tokens <= 30 and first.usage == second.usage
+
+
+def test_stop_string(client, offline):
+    full = greedy_text(offline, "Hello, my name is", 24)
+    stop = full[6:9]
+    response = client.completions.create(model=MODEL, prompt="Hello, my name is", max_tokens=24, temperature=0, stop=[stop])
+    assert response.choices[0].text == full[: full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, offline):
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3)
+    expected = offline.generate("The sea", params, use_tqdm=False)[0].outputs[0]
+    completion = client.completions.create(model=MODEL, prompt="The sea", max_tokens=5, temperature=0, logprobs=3).choices[0]
+    assert len(completion.logprobs.tokens) == len(expected.token_ids)
+    for value, top, token_id, entry in zip(
+        completion.logprobs.token_logprobs, completion.logprobs.top_logprobs, expected.token_ids, expected.logprobs
+    ):
+        assert math.isclose(value, entry[token_id].logprob, abs_tol=1e-5)
+        # OpenAI's legacy format keys the top-N by token text, so tokens that decode alike
+        # (stray bytes of a random model) collapse into one key.
+        offline_top = sorted((lp.logprob for lp in entry.values() if lp.rank <= 3), reverse=True)
+        assert 1 <= len(top) <= 3 and all(any(math.isclose(v, o, abs_tol=1e-5) for o in offline_top) for v in top.values())
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    ).choices[0]
+    for item in chat.logprobs.content:
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert item.logprob == item.top_logprobs[0].logprob  # greedy took the top token
+
+
+def test_24_concurrent_streams(base_url, offline):
+    prompts = [f"Story number {i}: once upon a time" for i in range(24)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(run_all())
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert texts == [e.outputs[0].text for e in expected]
+
+
+def test_disconnect_aborts_and_frees_blocks(base_url):
+    aborted_before = engine_stats().request_success_total.get("abort", 0)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=30) as response:
+        lines = response.iter_lines(decode_unicode=True)
+        assert next(line for line in lines if line.startswith("data:"))
+        wait_until(lambda: engine_stats().num_requests_running == 1, timeout=5)
+    closed = time.monotonic()
+
+    def freed():
+        stats = engine_stats()
+        return stats.request_success_total.get("abort", 0) == aborted_before + 1 and stats.kv_cache_usage_perc == 0.0
+
+    wait_until(freed, timeout=5)
+    assert time.monotonic() - closed < 1.0
+    assert engine_stats().num_requests_running == 0
+
+
+# ---- the other endpoints -------------------------------------------------------------------
+
+
+def test_models_health_tokenize(client, base_url, offline):
+    [model] = client.models.list().data
+    assert model.id == MODEL
+    assert requests.get(f"{base_url}/health", timeout=10).json() == {"status": "ok"}
+    tokenizer = offline.get_tokenizer()
+    tokens = requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "café 日本"}, timeout=10).json()
+    assert tokens["tokens"] == tokenizer.encode("café 日本") and tokens["count"] == len(tokens["tokens"])
+    text = requests.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}, timeout=10).json()
+    assert text == {"prompt": "café 日本"}
+    chat_tokens = requests.post(f"{base_url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=10).json()
+    assert chat_tokens["tokens"] == tokenizer.encode("<|user|>Hi<|end|><|assistant|>", add_special_tokens=False)
+
+
+def test_metrics_move(client, base_url):
+    labels = (("model_name", MODEL),)
+    before = metric_values(base_url)
+    client.completions.create(model=MODEL, prompt="Count the stars", max_tokens=7, temperature=0)
+
+    def moved():
+        after = metric_values(base_url)
+        grown = after[("pagedserve:generation_tokens_total", labels)] >= before.get(("pagedserve:generation_tokens_total", labels), 0) + 7
+        done = after[("pagedserve:request_success_total", (("finished_reason", "length"), *labels))]
+        return grown and done > before.get(("pagedserve:request_success_total", (("finished_reason", "length"), *labels)), 0) and after
+
+    after = wait_until(moved, timeout=10, interval=0.3)
+    assert after[("pagedserve:time_to_first_token_seconds_count", labels)] > before.get(("pagedserve:time_to_first_token_seconds_count", labels), 0)
+    assert after[("pagedserve:prompt_tokens_total", labels)] > before.get(("pagedserve:prompt_tokens_total", labels), 0)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total", "prefix_cache_queries_total"):
+        assert ("pagedserve:" + name, labels) in after
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"extra_body": {"bogus": 1}}, "unknown field 'bogus'"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"prompt": [1] * (MAX_MODEL_LEN + 1)}, "max_model_len=512"),
+        ({"prompt": [10**7]}, "outside the vocabulary"),
+        ({"prompt": ""}, "empty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_bad_request_is_400(client, kwargs, fragment):
+    request = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**request)
+    error = info.value.body
+    assert fragment in error["message"] and error["code"] == 400 and error["type"] == "BadRequestError"
+    assert "Traceback" not in error["message"]
+
+
+def test_malformed_json_and_unknown_model(base_url, client):
+    response = requests.post(f"{base_url}/v1/chat/completions", data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
