@@ -40,7 +40,7 @@ MAX_KV_SPLITS = 16
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The last sequence i whose first tile (query_start_loc[i] // BLOCK_Q + i) is <= tile."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -52,7 +52,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# num_seqs stays a runtime value: specialised to the constant 1 it would change the loop
+# variable's type in the binary search.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
