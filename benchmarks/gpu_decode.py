@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def device_info(args: argparse.Namespace) -> dict:
-    if not torch.cuda.is_available():
+    if args.dry_run or not torch.cuda.is_available():
         return {"device": "cpu", "bandwidth_gbs": args.bandwidth_gbs}
     name = torch.cuda.get_device_name()
     bandwidth = args.bandwidth_gbs or next((gbs for key, gbs in BANDWIDTH_GBS if key in name), None)
@@ -235,7 +235,7 @@ def measure_kernels(shape: dict, args: argparse.Namespace) -> list[dict]:
             # Timing only: this step's K/V need not match the cache (the reference reads them
             # for chunks with no cached context, the others read the cache).
             q, k, v = (torch.randn(sum(query_lens), n, head_dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads))
-            attention = _attention_fn(backend)
+            attention = _attention_fn(backend, device)
             ms = _kernel_ms(lambda: attention(q, k, v, cache, meta, head_dim**-0.5), device)
             rows.append({"batch": name, "backend": backend, "block_size": block_size, "ms": round(ms, 4)})
     return rows
@@ -254,10 +254,10 @@ def _kernel_backends(dry_run: bool) -> list[tuple[str, int]]:
     return backends
 
 
-def _attention_fn(backend: str):
+def _attention_fn(backend: str, device: str):
     from pagedserve.kernels import get_attention_backend
 
-    return get_attention_backend(backend, "cuda" if torch.cuda.is_available() else "cpu").paged_attention
+    return get_attention_backend(backend, device).paged_attention
 
 
 def _random_paged_batch(query_lens, context_lens, kv_heads, head_dim, block_size, dtype, device, backend):

@@ -214,7 +214,8 @@ def paged_attention_strided(
         num_splits = _choose_num_splits(query.device, is_decode_only, num_seqs * num_kv_heads)
     assert num_splits & (num_splits - 1) == 0, "the merge kernel reads splits as a power-of-two vector"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    parts = _partials(num_tokens, num_heads, head_dim, num_splits, query.device)
+    # Unsplit, the kernel never touches the partials: `out` stands in (no allocations per layer).
+    parts = _partials(num_tokens, num_heads, head_dim, num_splits, query.device) if num_splits > 1 else (out, out, out)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, *parts,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -245,8 +246,8 @@ def _choose_num_splits(device: torch.device, is_decode_only: bool, num_programs:
 
 
 def _partials(num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device) -> tuple[torch.Tensor, ...]:
-    """Per-split accumulators, maxima and sums (float32); a 1-element placeholder when unsplit."""
-    rows = num_tokens * num_heads * num_splits if num_splits > 1 else 1
+    """Per-split accumulators, maxima and sums, in float32."""
+    rows = num_tokens * num_heads * num_splits
     acc = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
     maxima = torch.empty(rows, dtype=torch.float32, device=device)
     sums = torch.empty(rows, dtype=torch.float32, device=device)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import flash_attn, get_attention_backend, reference, triton_attention
+from tests.kernels.conftest import DEVICE
 
 
 def test_auto_is_torch_on_cpu_and_triton_on_cuda():
@@ -14,7 +15,7 @@ def test_auto_is_torch_on_cpu_and_triton_on_cuda():
 
 
 def test_triton_shares_the_reference_cache_layout():
-    backend = get_attention_backend("triton", "cpu")  # the interpreter is on (conftest)
+    backend = get_attention_backend("triton", DEVICE)  # on the CPU the interpreter is on (conftest)
     assert backend.name == "triton"
     assert backend.kv_cache_shape(10, 16, 2, 64) == reference.kv_cache_shape(10, 16, 2, 64)
     assert backend.paged_attention is triton_attention.paged_attention

@@ -43,7 +43,7 @@ def test_padded_size_is_the_smallest_that_fits():
 )
 def test_when_graphs_are_used(device, overrides, backend, expected):
     config = EngineConfig(model="unused", **overrides)
-    assert graphs_enabled(config, get_attention_backend(backend, "cpu"), torch.device(device)) is expected
+    assert graphs_enabled(config, get_attention_backend(backend, DEVICE), torch.device(device)) is expected
 
 
 def test_padded_rows_write_nothing_and_leave_real_rows_alone():
