@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install run test bench clean
+.PHONY: install run generate test bench clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +14,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP_INSTALL) -c constraints.txt -e ".[test]"
 	touch $@
 
+# The OpenAI-compatible server on the demo model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 run: install
+	$(VENV)/bin/pagedserve serve
+
+generate: install
 	$(VENV)/bin/pagedserve generate
 
 test: install

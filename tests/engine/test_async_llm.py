@@ -1,0 +1,113 @@
+"""AsyncLLM: the background engine loop, streaming to asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedserve import LLM, AsyncLLM, SamplingParams
+from pagedserve.engine.llm_engine import EngineDeadError
+from pagedserve.sampling_params import RequestOutputKind
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "café 日本語"]
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_dirs):
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dirs):
+    llm = LLM(str(model_dirs["llama"]), max_model_len=256)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0] for o in outputs]
+
+
+def params(kind: RequestOutputKind, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=12, output_kind=kind, **kwargs)
+
+
+async def collect(llm: AsyncLLM, prompt, sampling: SamplingParams, request_id: str) -> list:
+    return [output async for output in llm.generate(prompt, sampling, request_id)]
+
+
+def test_concurrent_streams_match_offline(async_llm, expected):
+    async def run():
+        deltas = [collect(async_llm, p, params(RequestOutputKind.DELTA), f"d{i}") for i, p in enumerate(PROMPTS)]
+        cumulative = [collect(async_llm, p, params(RequestOutputKind.CUMULATIVE), f"c{i}") for i, p in enumerate(PROMPTS)]
+        return await asyncio.gather(*deltas, *cumulative)
+
+    results = asyncio.run(run())
+    for outputs, want in zip(results[: len(PROMPTS)], expected):
+        assert "".join(o.outputs[0].text for o in outputs) == want.text
+        assert sum((o.outputs[0].token_ids for o in outputs), []) == want.token_ids
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    for outputs, want in zip(results[len(PROMPTS) :], expected):
+        assert outputs[-1].outputs[0].token_ids == want.token_ids and outputs[-1].outputs[0].text == want.text
+        lengths = [len(o.outputs[0].token_ids) for o in outputs]
+        assert lengths == sorted(lengths)  # cumulative outputs only grow
+
+
+def test_leaving_early_aborts_the_request(async_llm):
+    async def run():
+        stream = async_llm.generate("Hello", SamplingParams(max_tokens=200, ignore_eos=True), "leaver")
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(run())
+    engine = async_llm.engine
+    deadline = time.monotonic() + 2
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_total_blocks
+    assert async_llm.stats().request_success_total.get("abort", 0) >= 1
+
+
+def test_bad_input_and_duplicate_ids(async_llm):
+    async def run():
+        with pytest.raises(ValueError, match="empty"):
+            await collect(async_llm, "", SamplingParams(), "bad")
+        stream = async_llm.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True), "twin")
+        await anext(stream)
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(async_llm, "Hello", SamplingParams(), "twin")
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert async_llm.is_healthy
+
+
+def test_idle_engine_uses_no_cpu(async_llm):
+    time.sleep(0.3)  # let the loop go idle
+    start = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - start < 0.05
+
+
+def test_loop_error_reaches_every_caller(model_dirs):
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+    try:
+        def broken_step():
+            raise RuntimeError("boom")
+
+        llm.engine.step = broken_step
+
+        async def run():
+            calls = [collect(llm, p, params(RequestOutputKind.DELTA), f"e{i}") for i, p in enumerate(PROMPTS)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        errors = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        assert all(isinstance(e, EngineDeadError) and "boom" in str(e) for e in errors), errors
+        assert not llm.is_healthy and "boom" in llm.dead_reason
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(llm, "Hello", SamplingParams(), "after"))
+    finally:
+        llm.shutdown()
