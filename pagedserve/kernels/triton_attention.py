@@ -69,7 +69,7 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1).to(tl.int64)  # times a head stride, past 2**31 in large caches
     split = tl.program_id(2)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)

@@ -29,7 +29,7 @@ def _write_kv_kernel(
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, BLOCK_H)[:, None]
+    heads = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]  # times a head stride: may pass 2**31
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
     dst = block * stride_cb + offset * stride_co + heads * stride_ch + dims
