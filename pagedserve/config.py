@@ -127,6 +127,11 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY).")
     graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
+    stream_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        description="A stream's tokens go out in one chunk at most this often (first and last at once); 0: every token.",
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
 

@@ -15,6 +15,9 @@ from typing import Any
 from pagedserve.config import ServerConfig
 
 REPLICA_BUNDLE = {"CPU": 1}
+# Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
+# the ingress long before the engine is busy. Admission control is the LLMServer's job.
+INGRESS_MAX_ONGOING_REQUESTS = 10_000
 
 
 def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
@@ -42,9 +45,14 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         server_options["placement_group_bundles"] = [REPLICA_BUNDLE, *worker_bundles]
         server_options["placement_group_strategy"] = "PACK"
 
-    hub = serve.deployment(MetricsHub, name="MetricsHub", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+    hub = serve.deployment(
+        MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+    ).bind()
     server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub)
-    return serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0}).bind(
+    ingress = serve.deployment(
+        OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(
         {config.model_name: server}, hub, config.api_key
     )
 

@@ -9,8 +9,10 @@ hub, which sums the replicas for /metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -20,7 +22,7 @@ from pagedserve.engine.chat import render_chat
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class LLMServer:
         group = ray.util.get_current_placement_group() if engine_config.executor_backend == "ray" else None
         self.llm = AsyncLLM(engine_config, group)
         self.model_name = config.model_name
+        self.stream_interval_s = config.stream_interval_ms / 1000
         self.replica_id = str(serve.get_replica_context().replica_id)
         self.metrics_hub = metrics_hub
         self._stopped = threading.Event()
@@ -57,12 +60,32 @@ class LLMServer:
         try:
             if isinstance(prompt, dict) and "messages" in prompt:
                 prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
-            async for output in self.llm.generate(prompt, params, request_id):
+            outputs = self.llm.generate(prompt, params, request_id)
+            if params.output_kind == RequestOutputKind.DELTA:
+                outputs = self._batched(outputs)
+            async for output in outputs:
                 yield output
         except ValueError as error:
             yield ErrorInfo(400, str(error))
         except EngineDeadError as error:
             yield ErrorInfo(503, f"the engine is not running: {error}", "ServiceUnavailableError")
+
+    async def _batched(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Stream items cost the Serve path far more than tokens cost the engine, so a stream's
+        deltas are merged and sent at most every `stream_interval_ms` (the first at once, for
+        time to first token, and the last at once). Items after the first leave the prompt out:
+        the ingress already has it."""
+        pending: RequestOutput | None = None
+        last_sent: float | None = None
+        async for output in outputs:
+            if pending is None:
+                pending = output if last_sent is None else dataclasses.replace(output, prompt=None, prompt_token_ids=[], metrics=None)
+            else:
+                pending.merge_delta(output)
+            now = time.monotonic()
+            if last_sent is None or pending.finished or now - last_sent >= self.stream_interval_s:
+                yield pending
+                pending, last_sent = None, now
 
     async def tokenize(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int] | ErrorInfo:
         tokenizer = self.llm.tokenizer

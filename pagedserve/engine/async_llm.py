@@ -24,7 +24,7 @@ from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,17 @@ class AsyncLLM:
             self._commands.append(("add", request_id, processed, sampling_params, time.monotonic()))
             self._wakeup.notify()
         finished = False
+        merge = sampling_params.output_kind == RequestOutputKind.DELTA
         try:
             while not finished:
                 item = await stream.queue.get()
+                # Deltas that piled up while the caller was busy go out as one.
+                while merge and not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        item = later
+                        break
+                    item.merge_delta(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

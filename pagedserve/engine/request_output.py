@@ -50,3 +50,21 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def merge_delta(self, later: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one, so a consumer that fell
+        behind gets one larger chunk instead of many small ones."""
+        for new in later.outputs:
+            mine = next((c for c in self.outputs if c.index == new.index), None)
+            if mine is None:
+                self.outputs.append(new)
+                continue
+            mine.text += new.text
+            mine.token_ids = mine.token_ids + new.token_ids
+            if new.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + new.logprobs
+            mine.cumulative_logprob = new.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
