@@ -111,3 +111,24 @@ def test_loop_error_reaches_every_caller(model_dirs):
             asyncio.run(collect(llm, "Hello", SamplingParams(), "after"))
     finally:
         llm.shutdown()
+
+
+def test_slow_consumer_gets_merged_deltas(async_llm):
+    """Deltas that pile up while the caller is busy arrive as one output: nothing lost or doubled."""
+    sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, output_kind=RequestOutputKind.DELTA)
+
+    async def slow():
+        outputs = []
+        async for output in async_llm.generate("Once upon a time", sampling, "slow"):
+            outputs.append(output)
+            await asyncio.sleep(0.05)
+        return outputs
+
+    outputs = asyncio.run(slow())
+    tokens = sum((o.outputs[0].token_ids for o in outputs), [])
+    logprobs = sum((o.outputs[0].logprobs for o in outputs), [])
+    assert len(tokens) == len(logprobs) == 40 and len(outputs) < 40
+    assert [t in entry for t, entry in zip(tokens, logprobs)] == [True] * 40
+    full = asyncio.run(collect(async_llm, "Once upon a time", sampling.clone(output_kind=RequestOutputKind.FINAL_ONLY), "fast"))
+    assert full[-1].outputs[0].token_ids == tokens
+    assert "".join(o.outputs[0].text for o in outputs) == full[-1].outputs[0].text
