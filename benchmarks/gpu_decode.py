@@ -205,9 +205,7 @@ def _run_hf(folder: Path, prompts: list[list[int]], args: argparse.Namespace) ->
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     batches = [prompts[i : i + args.hf_batch_size] for i in range(0, len(prompts), args.hf_batch_size)]
     _hf_generate(model, batches[0][:2], 2, device)
-    seconds = sum(_timed(lambda b=b: _hf_generate(model, b, args.output_len, device)) for b in batches)
-    del model
-    return seconds
+    return sum(_timed(lambda b=b: _hf_generate(model, b, args.output_len, device)) for b in batches)
 
 
 def _hf_generate(model, batch: list[list[int]], output_len: int, device: str) -> None:

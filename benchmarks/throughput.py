@@ -8,7 +8,7 @@ order, greedy, exactly `output_len` new tokens. pagedserve gets all prompts at o
 It also measures the engine's own CPU cost per step (schedule + update + input preparation) with
 256 running requests, on the small demo model so the forward pass does not dominate the run.
 
-    python benchmarks/throughput.py                 # the defaults used for the README figures
+    python benchmarks/throughput.py                 # the defaults of benchmarks/results/ (about 7 min here)
     python benchmarks/throughput.py --num-prompts 16 --output-len 8 --skip-overhead   # smoke run
 """
 
@@ -28,9 +28,9 @@ import torch
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--input-len-min", type=int, default=32)
-    parser.add_argument("--input-len-max", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len-min", type=int, default=16)
+    parser.add_argument("--input-len-max", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=768)

@@ -1,0 +1,81 @@
+"""OpenAI request bodies: validation and the mapping onto SamplingParams (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pagedserve.sampling_params import RequestOutputKind
+
+
+def test_completion_fields_map_onto_sampling_params():
+    request = CompletionRequest(
+        model="m", prompt="hi", max_tokens=7, temperature=0.5, top_p=0.9, n=2, stop="x", seed=3, logprobs=2,
+        presence_penalty=0.1, frequency_penalty=0.2, top_k=5, min_p=0.05, repetition_penalty=1.1, ignore_eos=True,
+        min_tokens=1, stop_token_ids=[4], skip_special_tokens=False, stream=True,
+    )
+    params = request.sampling_params(request.max_tokens, request.logprobs)
+    assert (params.max_tokens, params.temperature, params.top_p, params.n, params.stop, params.seed) == (7, 0.5, 0.9, 2, ["x"], 3)
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.logprobs) == (5, 0.05, 1.1, 2)
+    assert (params.ignore_eos, params.min_tokens, params.stop_token_ids, params.skip_special_tokens) == (True, 1, [4], False)
+    assert params.output_kind == RequestOutputKind.DELTA
+    unstreamed = CompletionRequest(model="m", prompt="hi").sampling_params(16, None)
+    assert unstreamed.output_kind == RequestOutputKind.FINAL_ONLY and unstreamed.temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("text", ["text"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [{"prompt_token_ids": [1, 2, 3]}]),
+        ([[1, 2], [3]], [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]),
+    ],
+)
+def test_prompt_forms(prompt, expected):
+    assert CompletionRequest(model="m", prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "bogus": 1}, "bogus"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_bodies(body, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        CompletionRequest(model="m", **body)
+
+
+def test_chat_fields():
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=3,
+    )
+    assert request.max_output_tokens == 9 and request.num_logprobs == 3
+    assert request.messages[0].as_template_message() == {"role": "system", "content": "ab"}
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True).num_logprobs == 0
+    for bad, fragment in (
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    ):
+        with pytest.raises(ValidationError, match=fragment):
+            ChatCompletionRequest(model="m", **bad)
+
+
+def test_tokenize_needs_exactly_one_input():
+    with pytest.raises(ValidationError, match="exactly one"):
+        TokenizeRequest(prompt="x", messages=[{"role": "user", "content": "y"}])
+    with pytest.raises(ValidationError, match="exactly one"):
+        TokenizeRequest()
