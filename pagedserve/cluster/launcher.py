@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from pagedserve.config import ServerConfig
 
@@ -24,14 +25,20 @@ def serve_forever(config: ServerConfig) -> int:
     from ray import serve
 
     from pagedserve.cluster.app import build_app
+    from pagedserve.workers.ray_executor import ensure_ray_initialized
 
-    started_ray = _ensure_ray()
+    # Each replica takes a CPU slot, and so does each rank of a CPU engine.
+    replicas = config.deployment.num_replicas
+    started_ray = ensure_ray_initialized(replicas * (1 + config.engine_config().world_size))
     try:
+        # After ray.init (which installs its own SIGTERM handler) and before the app can answer: a
+        # signal that arrives while Serve is still starting must also drain and stop cleanly.
+        stop_signal = _catch_stop_signals()
         app = build_app(config)  # validates the placement before any actor starts
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         _print_banner(config)
-        stop = _wait_for_signal()
+        stop = stop_signal()
         print(f"pagedserve: {signal.Signals(stop).name} received: draining (up to {config.graceful_shutdown_s:g} s)", flush=True)
         serve.delete(APP_NAME, _blocking=True)
         serve.shutdown()
@@ -42,20 +49,8 @@ def serve_forever(config: ServerConfig) -> int:
     return 0
 
 
-def _ensure_ray() -> bool:
-    """Join RAY_ADDRESS, or start a local Ray; True if this process started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        return False
-    ray.init(include_dashboard=False, log_to_driver=False)
-    return True
-
-
-def _wait_for_signal() -> int:
+def _catch_stop_signals() -> Callable[[], int]:
+    """Route SIGINT and SIGTERM to an event; returns a function that waits for the first one."""
     received: list[int] = []
     wake = threading.Event()
 
@@ -65,9 +60,13 @@ def _wait_for_signal() -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)
-    while not wake.wait(1.0):  # a timeout keeps the main thread responsive to signals
-        pass
-    return received[0]
+
+    def wait() -> int:
+        while not wake.wait(1.0):  # a timeout keeps the main thread responsive to signals
+            pass
+        return received[0]
+
+    return wait
 
 
 def _print_banner(config: ServerConfig) -> None:

@@ -63,8 +63,11 @@ class LLMServer:
             outputs = self.llm.generate(prompt, params, request_id)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
-            async for output in outputs:
-                yield output
+            try:
+                async for output in outputs:
+                    yield output
+            finally:  # closed early (the client went away): the engine aborts the request now
+                await outputs.aclose()
         except ValueError as error:
             yield ErrorInfo(400, str(error))
         except EngineDeadError as error:
@@ -77,15 +80,18 @@ class LLMServer:
         the ingress already has it."""
         pending: RequestOutput | None = None
         last_sent: float | None = None
-        async for output in outputs:
-            if pending is None:
-                pending = output if last_sent is None else dataclasses.replace(output, prompt=None, prompt_token_ids=[], metrics=None)
-            else:
-                pending.merge_delta(output)
-            now = time.monotonic()
-            if last_sent is None or pending.finished or now - last_sent >= self.stream_interval_s:
-                yield pending
-                pending, last_sent = None, now
+        try:
+            async for output in outputs:
+                if pending is None:
+                    pending = output if last_sent is None else dataclasses.replace(output, prompt=None, prompt_token_ids=[], metrics=None)
+                else:
+                    pending.merge_delta(output)
+                now = time.monotonic()
+                if last_sent is None or pending.finished or now - last_sent >= self.stream_interval_s:
+                    yield pending
+                    pending, last_sent = None, now
+        finally:
+            await outputs.aclose()
 
     async def tokenize(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int] | ErrorInfo:
         tokenizer = self.llm.tokenizer

@@ -85,6 +85,8 @@ class AsyncLLM:
         processed = self.engine.input_processor.process(prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._error is not None:  # the loop died after the check above: nobody would answer
+                raise self._error
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream

@@ -39,17 +39,18 @@ def cluster_resources() -> dict[str, float]:
     return ray.cluster_resources()
 
 
-def ensure_ray_initialized(world_size: int) -> None:
-    """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one
-    with at least one CPU slot per rank."""
+def ensure_ray_initialized(min_cpus: int) -> bool:
+    """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one with
+    at least `min_cpus` CPU slots (logical: CPU ranks may share real cores). True if it started one."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        return
-    ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=False)
+        return False
+    ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=False)
+    return True
 
 
 class RayExecutor(Executor):
