@@ -132,10 +132,6 @@ class AsyncLLM:
         """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy)."""
         return self._stats
 
-    def num_unfinished_requests(self) -> int:
-        with self._lock:
-            return len(self._streams)
-
     def _raise_if_dead(self) -> None:
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine is not running")

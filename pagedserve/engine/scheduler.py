@@ -203,8 +203,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_tokens_on_workers = 0
-        self.finished_req_ids.add(request.request_id)
+        self.finished_req_ids.add(request.request_id)  # its next schedule resends it whole
         # Requests go back newest first, each to the front: the queue keeps arrival order.
         self.waiting.appendleft(request)
 
