@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -65,6 +66,7 @@ class EngineConfig(BaseModel):
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."
     )
+    step_timeout_s: float = Field(300.0, gt=0, description="A step still running after this long means a wedged worker: the group is rebuilt as if it had died.")
 
     @field_validator("block_size")
     @classmethod
@@ -220,13 +222,16 @@ class ModelConfig:
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
 
-def resolve_model_config(config: EngineConfig) -> ModelConfig:
-    """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape."""
+def resolve_model_config(config: EngineConfig, device_resolver: Callable[[EngineConfig], str] | None = None) -> ModelConfig:
+    """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape.
+    `device_resolver` (the executor's `resolve_device`) picks the device once the checkpoint
+    checks pass, so a bad folder fails before anything starts; by default the device this
+    process sees. Nothing here starts Ray or any other process."""
     model_path = resolve_model_path(config.model)
     tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
     hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
-    device = resolve_device(config.device, in_process=config.executor_backend == "uni")
+    device = device_resolver(config) if device_resolver is not None else resolve_device(config.device)
     num_heads = hf_config.num_attention_heads
     return ModelConfig(
         model_path=str(model_path),
@@ -266,19 +271,14 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def resolve_device(device: str, in_process: bool = True) -> str:
-    """Where the model runs. In this process: what torch sees here. On Ray workers: GPUs if the
-    cluster has any (the engine's own process may well have none)."""
-    if in_process:
+def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:
+    """`device` ('auto', 'cpu' or 'cuda') made concrete. `has_gpu`: whether the ranks' machines
+    have a GPU (the Ray executor asks its cluster); by default whether this process sees one."""
+    if has_gpu is None:
         has_gpu = torch.cuda.is_available()
-    else:
-        from pagedserve.workers.ray_executor import cluster_resources
-
-        has_gpu = cluster_resources().get("GPU", 0) > 0
     if device == "auto":
         return "cuda" if has_gpu else "cpu"
     if device == "cuda" and not has_gpu:
-        where = "in this process" if in_process else "in the Ray cluster"
         raise ValueError(f"device='cuda' was asked for but no CUDA device is available {where}")
     return device
 

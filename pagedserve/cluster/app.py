@@ -60,7 +60,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
 def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, float]]]:
     """Decide where the engine's ranks run, and check the cluster can hold them (before any
     actor starts). Returns the config with the executor backend set, and the worker bundles."""
-    from pagedserve.workers.ray_executor import cluster_resources
+    from pagedserve.ray_env import cluster_resources
 
     engine = config.engine_config()
     resources = cluster_resources()

@@ -36,7 +36,9 @@ class LLMEngine:
         """`placement_group`: a Ray Serve replica's, for its workers (see Executor.create)."""
         self.config = config
         self.placement_group = placement_group
-        model_config = resolve_model_config(config)
+        # The executor picks the device: only it knows where the ranks run (the Ray one starts
+        # or joins Ray, with a CPU slot per rank, to ask).
+        model_config = resolve_model_config(config, Executor.class_for(config).resolve_device)
         self.tokenizer = load_tokenizer(model_config.tokenizer_path)
         self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
         self.executor = Executor.create(config, self.model_config, placement_group)

@@ -21,9 +21,8 @@ class Executor(ABC):
         self.model_config = model_config
 
     @staticmethod
-    def create(engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None) -> Executor:
-        """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
-        replica's own) hold the workers; by default the Ray executor makes its own."""
+    def class_for(engine_config: EngineConfig) -> type[Executor]:
+        """The executor the config asks for: in-process for one rank, Ray actors otherwise."""
         world_size = engine_config.world_size
         if engine_config.executor_backend == "uni":
             if world_size > 1:
@@ -33,12 +32,25 @@ class Executor(ABC):
                 )
             from pagedserve.workers.uniproc_executor import UniProcExecutor
 
-            return UniProcExecutor(engine_config, model_config)
+            return UniProcExecutor
         from pagedserve.workers.ray_executor import RayExecutor
 
+        return RayExecutor
+
+    @staticmethod
+    def create(engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None) -> Executor:
+        """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
+        replica's own) hold the workers; by default the Ray executor makes its own."""
+        executor_class = Executor.class_for(engine_config)
         if placement_group is not None:
-            return RayExecutor(engine_config, model_config, placement_group, first_bundle=1)
-        return RayExecutor(engine_config, model_config)
+            return executor_class(engine_config, model_config, placement_group, first_bundle=1)
+        return executor_class(engine_config, model_config)
+
+    @classmethod
+    @abstractmethod
+    def resolve_device(cls, engine_config: EngineConfig) -> str:
+        """'cpu' or 'cuda': where this kind of executor would run the ranks. The executor decides
+        because only it knows where they run (and the Ray one may have to start Ray to ask)."""
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:

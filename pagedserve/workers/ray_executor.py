@@ -1,26 +1,29 @@
 """TP x PP ranks as Ray actors in one placement group, driven step by step over sockets.
 
 Set-up (one-time) uses ordinary actor calls, so a failure while loading raises with the worker's
-own error. Then every worker connects back to a socket of this process and serves steps: each
-step the executor sends the pickled `SchedulerOutput` to all ranks and reads one reply from each;
-the sampling rank's reply carries the `ModelRunnerOutput`.
+own error. Then every worker connects back to a socket of this process, authenticates with the
+group's secret (see step_channel) and serves steps: each step the executor sends the pickled
+`SchedulerOutput` to all ranks and reads one `StepReply` from each; the sampling rank's carries
+the `ModelRunnerOutput`.
 
 A dead worker shows up as a closed socket (a killed process), an error reply (an actor that
-raised), or, while a step takes long, as a finished `serve_steps` call in Ray (a lost node). Any of
-them raises `WorkerGroupError`; the engine then tears the group down and builds a new one.
+raised), or, while a step takes long, as a finished `serve_steps` call in Ray (a lost node); a
+wedged one as a step still running after `step_timeout_s`. Any of them raises
+`WorkerGroupError`; the engine then tears the group down (killing the actors) and builds a new one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import selectors
 import socket
+import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.config import EngineConfig, ModelConfig, resolve_device
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
 from pagedserve.workers.executor import Executor, WorkerGroupError
 from pagedserve.workers.worker import Worker
@@ -30,27 +33,8 @@ logger = logging.getLogger(__name__)
 # How long a step may run before Ray is asked whether the workers are still alive.
 LIVENESS_CHECK_INTERVAL_S = 1.0
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
-
-
-def cluster_resources() -> dict[str, float]:
-    import ray
-
-    ensure_ray_initialized(1)
-    return ray.cluster_resources()
-
-
-def ensure_ray_initialized(min_cpus: int) -> bool:
-    """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one with
-    at least `min_cpus` CPU slots (logical: CPU ranks may share real cores). True if it started one."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-        return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=False)
-    return True
+STEP_CHANNEL_CONNECT_TIMEOUT_S = 60.0
+LOOPBACK = "127.0.0.1"
 
 
 class RayExecutor(Executor):
@@ -68,12 +52,19 @@ class RayExecutor(Executor):
         self.owns_placement_group = placement_group is None
         self.placement_group = placement_group
         self.first_bundle = first_bundle
-        self._server: socket.socket | None = None
+        self.node_ips: list[str] = []  # each rank's node
         try:
             self._start()
         except BaseException:
             self.shutdown()
             raise
+
+    @classmethod
+    def resolve_device(cls, engine_config: EngineConfig) -> str:
+        """The ranks' device: GPUs if the Ray cluster has any (this process may well have none).
+        Starts or joins Ray (with a CPU slot per rank) to ask."""
+        has_gpu = cluster_resources(engine_config.world_size).get("GPU", 0) > 0
+        return resolve_device(engine_config.device, has_gpu, where="in the Ray cluster")
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -85,6 +76,7 @@ class RayExecutor(Executor):
         if self.owns_placement_group:
             self.placement_group = self._create_placement_group(use_gpu)
         self.workers = [self._start_worker(rank, use_gpu) for rank in range(self.world_size)]
+        self.node_ips = ray.get([w.get_node_ip.remote() for w in self.workers])
         init_method = self._distributed_init_method()
         ray.get([w.init_device.remote(init_method) for w in self.workers])
         ray.get([w.load_model.remote() for w in self.workers])
@@ -125,29 +117,37 @@ class RayExecutor(Executor):
         ).remote(self.engine_config, self.model_config, rank)
 
     def _distributed_init_method(self) -> str:
+        """torch.distributed's rendezvous on rank 0's node: on the loopback address when every
+        rank shares that node, so no other machine can reach it (README, Security)."""
         import ray
 
-        ip, port = ray.get([self.workers[0].get_node_ip.remote(), self.workers[0].find_free_port.remote()])
-        return f"tcp://{ip}:{port}"
+        port = ray.get(self.workers[0].find_free_port.remote())
+        host = LOOPBACK if len(set(self.node_ips)) == 1 else self.node_ips[0]
+        return f"tcp://{host}:{port}"
 
     def _open_step_channels(self) -> None:
+        """Listen (on the loopback address when every rank runs on this node), hand each worker
+        the group's secret in the call that starts its loop, and take one authenticated socket
+        per rank. The listener closes once all ranks are in."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        self._server = step_channel.listen(host)
-        self._server.settimeout(60.0)
-        port = self._server.getsockname()[1]
-        self.loop_refs = [w.serve_steps.remote(host, port) for w in self.workers]
-        by_rank: dict[int, socket.socket] = {}
-        while len(by_rank) < self.world_size:
+        engine_ip = ray.util.get_node_ip_address()
+        is_local = all(ip == engine_ip for ip in self.node_ips)
+        host = LOOPBACK if is_local else engine_ip
+        secret = step_channel.new_secret()
+        with step_channel.listen(host) as server:
+            port = server.getsockname()[1]
+            self.loop_refs = [w.serve_steps.remote(host, port, secret) for w in self.workers]
             try:
-                conn, _ = self._server.accept()
-            except socket.timeout:
+                self.connections = step_channel.accept_ranks(
+                    server, secret, self.world_size, STEP_CHANNEL_CONNECT_TIMEOUT_S, self._raise_if_workers_died
+                )
+            except step_channel.ChannelError as error:
                 self._raise_if_workers_died()
-                raise WorkerGroupError("workers did not connect to the step channel within 60 s") from None
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            by_rank[step_channel.recv_message(conn)] = conn
-        self.connections = [by_rank[rank] for rank in range(self.world_size)]
+                raise WorkerGroupError(str(error)) from None
+        for conn in self.connections:
+            # A reply cut off mid-message must not block the engine for longer than a step may take.
+            conn.settimeout(self.engine_config.step_timeout_s)
 
     # ---- Executor interface -----------------------------------------------------------------
 
@@ -174,24 +174,32 @@ class RayExecutor(Executor):
         return replies[self.driver_rank]
 
     def _collect_replies(self) -> list[Any]:
+        """Each rank's reply output. A rank that dies, raises, breaks the protocol, or is still
+        busy after `step_timeout_s` (wedged in a collective, a stuck kernel) fails the group."""
         replies: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
+        deadline = time.monotonic() + self.engine_config.step_timeout_s
         with selectors.DefaultSelector() as selector:
             for rank, conn in enumerate(self.connections):
                 selector.register(conn, selectors.EVENT_READ, rank)
             while pending:
-                events = selector.select(timeout=LIVENESS_CHECK_INTERVAL_S)
+                events = selector.select(timeout=min(LIVENESS_CHECK_INTERVAL_S, max(deadline - time.monotonic(), 0)))
                 if not events:
                     self._raise_if_workers_died()
+                    if time.monotonic() >= deadline:
+                        raise WorkerGroupError(
+                            f"worker rank(s) {sorted(pending)} did not answer within step_timeout_s="
+                            f"{self.engine_config.step_timeout_s:g} s: treated as wedged"
+                        )
                 for key, _ in events:
                     rank = key.data
                     try:
-                        status, value = step_channel.recv_message(key.fileobj)
-                    except step_channel.ChannelClosed as error:
+                        reply = step_channel.recv_message(key.fileobj)
+                    except (step_channel.ChannelClosed, step_channel.ChannelError) as error:
                         raise WorkerGroupError(f"worker rank {rank} died: {error}") from error
-                    if status == "error":
-                        raise WorkerGroupError(f"worker rank {rank} failed:\n{value}")
-                    replies[rank] = value
+                    if reply.is_error:
+                        raise WorkerGroupError(f"worker rank {rank} failed:\n{reply.error}")
+                    replies[rank] = reply.output
                     pending.discard(rank)
                     selector.unregister(key.fileobj)
         return replies
@@ -217,9 +225,6 @@ class RayExecutor(Executor):
         for conn in self.connections:
             conn.close()
         self.connections = []
-        if self._server is not None:
-            self._server.close()
-            self._server = None
         if not self.workers and self.placement_group is None:
             return
         import ray

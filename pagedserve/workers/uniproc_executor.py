@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.config import EngineConfig, ModelConfig, resolve_device
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.workers.executor import Executor
 from pagedserve.workers.worker import Worker
@@ -14,6 +14,10 @@ class UniProcExecutor(Executor):
         self.worker: Worker | None = Worker(engine_config, model_config)
         self.worker.init_device()
         self.worker.load_model()
+
+    @classmethod
+    def resolve_device(cls, engine_config: EngineConfig) -> str:
+        return resolve_device(engine_config.device)
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()

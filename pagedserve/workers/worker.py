@@ -90,21 +90,22 @@ class Worker:
 
     # ---- the step loop (Ray workers) -------------------------------------------------------------
 
-    def serve_steps(self, host: str, port: int) -> None:
-        """Connect to the executor and run steps until it closes the connection. Each reply is
-        ("ok", output) (output is None except on the sampling rank) or ("error", traceback)."""
-        sock = step_channel.connect(host, port, timeout=60.0)
-        step_channel.send_message(sock, self.rank)
+    def serve_steps(self, host: str, port: int, secret: bytes) -> None:
+        """Connect to the executor, prove we hold the group's `secret` (and check it does), then
+        run steps until it closes the connection. Each step gets a `StepReply`."""
+        sock = step_channel.connect(host, port, timeout=step_channel.HANDSHAKE_TIMEOUT_S)
         try:
+            step_channel.authenticate_engine(sock, secret, self.rank)
+            sock.settimeout(None)  # idle between steps for as long as the engine likes
             while True:
                 try:
                     scheduler_output = step_channel.recv_message(sock)
                 except step_channel.ChannelClosed:
                     return
                 try:
-                    reply = ("ok", self.execute_model(scheduler_output))
+                    reply = step_channel.StepReply(output=self.execute_model(scheduler_output))
                 except Exception:
-                    reply = ("error", f"rank {self.rank}: {traceback.format_exc()}")
+                    reply = step_channel.StepReply(error=f"rank {self.rank}: {traceback.format_exc()}")
                 step_channel.send_message(sock, reply)
         finally:
             sock.close()
