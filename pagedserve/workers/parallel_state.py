@@ -86,9 +86,9 @@ def init_parallel_context(rank: int, tp_size: int, pp_size: int, init_method: st
     import datetime
 
     world_size = tp_size * pp_size
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _rendezvous_store(init_method, rank, world_size, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     context = ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
     for stage in range(pp_size):
@@ -102,3 +102,22 @@ def init_parallel_context(rank: int, tp_size: int, pp_size: int, init_method: st
         if column == tp_rank:
             context.pp_group, context.pp_ranks = group, ranks
     return context
+
+
+def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout: Any) -> dist.TCPStore:
+    """The `tcp://host:port` rendezvous store, listening on `host` only. torch's own tcp:// init
+    method makes rank 0's store listen on every interface whatever the host says; handing it a
+    socket bound to the host (loopback when all ranks share a node) keeps other machines out."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(init_method)
+    if address.scheme != "tcp" or address.hostname is None or address.port is None:
+        raise ValueError(f"distributed init method must be tcp://host:port, got {init_method!r}")
+    listen_fd = None
+    if rank == 0:
+        # detach(): the store owns the descriptor from now on (a Python socket would close it when collected).
+        listen_fd = socket.create_server((address.hostname, address.port)).detach()
+    return dist.TCPStore(
+        address.hostname, address.port, world_size, rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )

@@ -3,8 +3,11 @@ load failures. Every case is compared with Hugging Face (and so with TP=1, which
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,6 +160,66 @@ def test_worker_that_raises_is_replaced(ray_cluster, parallel_models):
         llm.shutdown()
 
 
+def _wedge_next_step(worker) -> None:
+    """Run inside the actor (via __ray_call__): its next step never returns, as a rank stuck in a
+    collective or a kernel would; the process stays alive and Ray sees nothing wrong."""
+    worker.execute_model = lambda scheduler_output: time.sleep(3600)
+
+
+def test_wedged_worker_is_replaced_after_step_timeout(ray_cluster, parallel_models):
+    folder, hf = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, step_timeout_s=10.0)
+    try:
+        ids = long_batch(llm, num_prompts=4, max_tokens=24)
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
+        import ray
+
+        executor = llm.llm_engine.executor
+        wedged_pid = executor.worker_pids()[1]
+
+        def wedge(step: int) -> None:
+            if step == 5:
+                ray.get(executor.workers[1].__ray_call__.remote(_wedge_next_step))
+
+        results = run_to_completion(llm, wedge)
+        assert llm.llm_engine.num_worker_restarts == 1
+        assert wedged_pid not in llm.llm_engine.executor.worker_pids()
+        for request_id in ids:
+            assert results[request_id] == hf.greedy(prompts[request_id], 24), request_id
+    finally:
+        llm.shutdown()
+
+
+# Run with no Ray started beforehand, and os.cpu_count() pinned to 2 so the case holds on any
+# machine: resolving the config must not start a 2-CPU Ray that 4 ranks then cannot fit into.
+FEWER_CORES_THAN_RANKS = """
+import json, os, sys
+os.cpu_count = lambda: 2
+import ray
+from pagedserve import LLM, SamplingParams
+prompts = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], max_model_len=256, tensor_parallel_size=2, pipeline_parallel_size=2)
+outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3])), use_tqdm=False)
+print(json.dumps([[o.prompt_token_ids, o.outputs[0].token_ids] for o in outputs]))
+llm.shutdown()
+ray.shutdown()
+"""
+
+
+def test_tp2_pp2_starts_ray_itself_on_fewer_cores_than_ranks(parallel_models):
+    folder, hf = parallel_models["llama_3_layers"]
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-c", FEWER_CORES_THAN_RANKS, str(folder), json.dumps(PROMPTS), str(MAX_TOKENS)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(outputs) == len(PROMPTS)
+    for prompt_token_ids, token_ids in outputs:
+        assert token_ids == hf.greedy(prompt_token_ids, MAX_TOKENS)
+
+
 def test_group_that_cannot_be_rebuilt_aborts_and_raises(ray_cluster, parallel_models):
     folder, _ = parallel_models["qwen3"]
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, max_worker_restarts=0)
@@ -218,13 +281,19 @@ def test_shutdown_releases_actors_and_placement_group(ray_cluster, parallel_mode
 def alive_workers(ray) -> list:
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
+    return list_actors(address=own_cluster(ray), filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
 
 
 def live_placement_groups(ray) -> list:
     from ray.util.state import list_placement_groups
 
-    return [pg for pg in list_placement_groups() if pg.state != "REMOVED"]
+    return [pg for pg in list_placement_groups(address=own_cluster(ray)) if pg.state != "REMOVED"]
+
+
+def own_cluster(ray) -> str:
+    """This session's GCS address: the state API otherwise looks for "the" local Ray and refuses
+    when other clusters run on the same machine."""
+    return ray.get_runtime_context().gcs_address
 
 
 def cpu_seconds(pid: int) -> float:
