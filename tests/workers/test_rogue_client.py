@@ -41,7 +41,8 @@ class RogueClient(threading.Thread):
     def __init__(self, marker: str):
         super().__init__(name="rogue-client", daemon=True)
         raw = pickle.dumps(CreatesFile(marker))
-        self.payloads = [raw, struct.pack("!Q", len(raw)) + raw, struct.pack("!Q", HUGE_CLAIM)]
+        # Framed first: a reader that unpickles the first message runs it before choking on the rest.
+        self.payloads = [struct.pack("!Q", len(raw)) + raw, raw, struct.pack("!Q", HUGE_CLAIM)]
         self.attacked: set[int] = set()
         self.changed = threading.Condition()
         self.stopped = threading.Event()
