@@ -42,9 +42,9 @@ class Executor(ABC):
         """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
         replica's own) hold the workers; by default the Ray executor makes its own."""
         executor_class = Executor.class_for(engine_config)
-        if placement_group is not None:
-            return executor_class(engine_config, model_config, placement_group, first_bundle=1)
-        return executor_class(engine_config, model_config)
+        if placement_group is None or engine_config.executor_backend == "uni":  # one rank: no bundles to use
+            return executor_class(engine_config, model_config)
+        return executor_class(engine_config, model_config, placement_group, first_bundle=1)
 
     @classmethod
     @abstractmethod
