@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.outputs import ModelRunnerOutput
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
@@ -64,8 +66,8 @@ class ChannelError(ConnectionError):
 class StepReply:
     """A worker's answer to one step."""
 
-    # The sampled tokens (a ModelRunnerOutput) from the sampling rank; None from the other ranks.
-    output: Any = None
+    # The sampled tokens from the sampling rank; None from the other ranks (and on error).
+    output: ModelRunnerOutput | None = None
     # The worker's traceback when the step raised; the engine then rebuilds the group.
     error: str | None = None
 
