@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.cluster.llm_server import ErrorInfo
+from pagedserve.cluster.llm_server import ErrorInfo, overloaded
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, describe_validation_error
@@ -69,7 +69,8 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _validation_error(items: list[dict[str, Any]]) -> APIError:
@@ -157,7 +158,7 @@ class ServeEngineClient:
             async for item in responses:
                 yield item
         except BackPressureError:
-            yield ErrorInfo(503, "the server is overloaded: too many requests are queued; retry later", "ServiceUnavailableError")
+            yield overloaded("the server is overloaded: too many requests are queued; retry later")
         finally:
             responses.cancel()  # a client that went away: the replica aborts the request
 
