@@ -151,6 +151,7 @@ class ServeEngineClient:
         self.handle = handle.options(stream=True)
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
+        from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
         responses = self.handle.generate.remote(request_id, prompt, params)
@@ -159,6 +160,9 @@ class ServeEngineClient:
                 yield item
         except BackPressureError:
             yield overloaded("the server is overloaded: too many requests are queued; retry later")
+        except RayActorError as error:  # the replica's process died (a crash, a lost node)
+            logger.warning("request %s lost its LLMServer replica: %s", request_id, type(error).__name__)
+            yield overloaded("the engine replica serving this request died; retry later")
         finally:
             responses.cancel()  # a client that went away: the replica aborts the request
 
