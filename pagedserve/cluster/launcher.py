@@ -8,7 +8,6 @@ releases every actor and exits.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ def serve_forever(config: ServerConfig) -> int:
     from pagedserve.cluster.app import build_app
     from pagedserve.workers.ray_executor import ensure_ray_initialized
 
+    config.resolve_api_key()  # a key file that is missing or empty stops us before Ray starts
     # Each replica takes a CPU slot, and so does each rank of a CPU engine.
     replicas = config.deployment.num_replicas
     started_ray = ensure_ray_initialized(replicas * (1 + config.engine_config().world_size))
@@ -72,7 +72,7 @@ def _catch_stop_signals() -> Callable[[], int]:
 def _print_banner(config: ServerConfig) -> None:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
-    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key or os.environ.get("PAGEDSERVE_API_KEY") else ""
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.resolve_api_key() else ""
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % config.model_name
     print(
         f"pagedserve: serving '{config.model_name}' at {url}/v1 (started {time.strftime('%H:%M:%S')})\n"
