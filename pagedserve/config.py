@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
 # The CPU has no memory profiler to size the cache from; tests build many engines in one process.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,6 +65,14 @@ class EngineConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."
+    )
+    step_timeout_s: float = Field(300.0, gt=0, description="A step still running after this long means a wedged worker: the group is rebuilt as if it had died.")
+    max_n: int = Field(128, ge=1, description="Largest `n` (samples per prompt) a request may ask for; over HTTP, prompts x n.")
+    max_waiting_requests: int | None = Field(
+        4096,
+        ge=0,
+        description="Engine requests (each of n samples counts) that may wait for a slot before AsyncLLM (the server) "
+        "refuses more (HTTP 503 with Retry-After); None: no limit. Offline LLM.generate queues all its prompts.",
     )
 
     @field_validator("block_size")
@@ -125,7 +134,15 @@ class ServerConfig(BaseModel):
     served_model_name: str | None = Field(None, description="The name clients ask for; default: the folder's name.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY).")
+    api_key: str | None = Field(
+        None, min_length=1, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY, or api_key_file)."
+    )
+    api_key_file: str | None = Field(
+        None, min_length=1, description="A file holding the API key (kept out of command lines and configs); missing or empty: an error."
+    )
+    max_request_body_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="Larger request bodies are refused with 413."
+    )
     graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
     stream_interval_ms: float = Field(
         50.0,
@@ -144,6 +161,22 @@ class ServerConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_kwargs(model=self.model, **self.engine)
+
+    def resolve_api_key(self) -> str | None:
+        """The key clients must send: `api_key`, else the contents of `api_key_file`, else
+        PAGEDSERVE_API_KEY in this process's environment; None if none is set. A key file that
+        is missing or empty is an error: a server asked for a key never runs without one."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).expanduser().read_text().strip()
+            except OSError as error:
+                raise ValueError(f"cannot read api_key_file '{self.api_key_file}': {error.strerror or error}") from None
+            if not key:
+                raise ValueError(f"api_key_file '{self.api_key_file}' is empty: it must hold the API key")
+            return key
+        return os.environ.get("PAGEDSERVE_API_KEY") or None
 
     @property
     def model_name(self) -> str:
@@ -179,10 +212,12 @@ class ServerConfig(BaseModel):
             raise ValueError(describe_validation_error(error, "setting")) from None
 
 
-def describe_validation_error(error: ValidationError, what: str) -> str:
-    """One line per problem: the field, the value given, and what is allowed."""
+def describe_validation_error(error: ValidationError | list[dict[str, Any]], what: str) -> str:
+    """One line per problem: the field, the value given, and what is allowed. `error`: pydantic's
+    error, or its `errors()` list (the HTTP ingress passes FastAPI's, with the "body" prefix
+    already stripped from each location)."""
     lines = []
-    for item in error.errors():
+    for item in error.errors() if isinstance(error, ValidationError) else error:
         name = ".".join(str(part) for part in item["loc"]) or "(config)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
@@ -190,9 +225,15 @@ def describe_validation_error(error: ValidationError, what: str) -> str:
         elif not item["loc"]:  # a whole-model check: its message names what is wrong
             lines.append(message)
         else:
-            given = f" (got {item['input']!r})" if "input" in item else ""
+            given = f" (got {_short_repr(item['input'])})" if "input" in item else ""
             lines.append(f"{what} '{name}'{given}: {message}")
     return "; ".join(lines)
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    """A value as given, cut short: an error message must not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,15 @@ INGRESS_MAX_ONGOING_REQUESTS = 10_000
 def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     from ray import serve
 
-    from pagedserve.cluster.ingress import OpenAIIngress
+    from pagedserve.cluster.ingress import OpenAIIngress, key_digest
     from pagedserve.cluster.llm_server import LLMServer
     from pagedserve.cluster.metrics_hub import MetricsHub
+    from pagedserve.cluster.openai_serving import RequestLimits
 
     config = args if isinstance(args, ServerConfig) else ServerConfig.load(overrides=args or {})
+    api_key = config.resolve_api_key()  # before anything starts: a missing key file stops us here
+    # The key itself never goes into a deployment's arguments (which Serve records and shows).
+    config = config.model_copy(update={"api_key": None, "api_key_file": None})
     config, worker_bundles = place_workers(config)
     options = config.deployment
     server_options: dict[str, Any] = dict(
@@ -52,9 +56,10 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     ingress = serve.deployment(
         OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(
-        {config.model_name: server}, hub, config.api_key
-    )
+    engine = config.engine_config()
+    limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
+    digest = key_digest(api_key) if api_key else None
+    return ingress.bind({config.model_name: server}, hub, limits, digest, config.max_request_body_bytes)
 
 
 def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, float]]]:

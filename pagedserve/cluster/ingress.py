@@ -11,38 +11,136 @@ through Serve's class-based routing, and string annotations defeat it.)
 
 
 import asyncio
+import hashlib
 import hmac
-import json
 import logging
 import os
 import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.llm_server import ErrorInfo
-from pagedserve.cluster.openai_serving import APIError, OpenAIServing
-from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
+from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
+from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, describe_validation_error
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+# Routes that answer without a key: load balancers, Prometheus and schema readers carry none.
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+_ERRORS = {"model": ErrorResponse, "description": "An error in OpenAI's shape"}
+# Documented on every route that takes a body ("4XX" also keeps FastAPI from documenting a 422
+# it never sends: validation errors are 400s here, as OpenAI's are).
+_BODY_ROUTE_RESPONSES: dict[int | str, dict[str, Any]] = {"4XX": _ERRORS, 503: _ERRORS}
+_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {}, "text/event-stream": {}}, "description": "A body, or a stream of SSE events"},
+    **_BODY_ROUTE_RESPONSES,
+}
 
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return _error_response(error)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    return _error_response(_validation_error(error.errors()))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(error.status_code, "BadRequestError")
+    return _error_response(APIError(error.status_code, str(error.detail), kind))
 
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     logger.exception("unhandled error serving %s", request.url.path)
-    return JSONResponse(APIError(500, "internal server error", "InternalServerError").body(), status_code=500)
+    return _error_response(APIError(500, "internal server error", "InternalServerError"))
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_error(items: list[dict[str, Any]]) -> APIError:
+    """FastAPI's report on a request body, as the 400 OpenAI would send."""
+    first = items[0]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        return APIError(400, f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})")
+    located = [{**item, "loc": tuple(item["loc"])[1:] if item["loc"][:1] == ("body",) else item["loc"]} for item in items]
+    if not located[0]["loc"] and first["type"] in ("missing", "model_attributes_type", "model_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object")
+    param = ".".join(str(part) for part in located[0]["loc"]) or None
+    return APIError(400, describe_validation_error(located, "field"), param=param)
+
+
+class RequestGate:
+    """ASGI middleware in front of every route: the API key first (so nothing about a request
+    is parsed for a caller without one), then the body size, from Content-Length and again
+    while a chunked body is read (the body is buffered up to the limit and replayed)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        ingress = serve.get_replica_context().servable_object
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        try:
+            if not scope["path"].endswith(OPEN_PATHS):
+                ingress.authorize(headers.get("authorization", ""))
+            receive = await _bounded_body(receive, headers, ingress.max_request_body_bytes)
+        except APIError as error:
+            return await _error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _bounded_body(receive: Any, headers: dict[str, str], limit: int) -> Any:
+    """Read the whole body (at most `limit` bytes, else a 413) and return a `receive` that
+    replays it, then hands over to the real one (which reports the client's disconnect)."""
+    too_large = APIError(413, f"the request body exceeds max_request_body_bytes={limit}", "RequestTooLargeError")
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away mid-body
+            chunks = None
+            first = message
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise too_large
+        if not message.get("more_body", False):
+            first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            break
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return first
+        return await receive()
+
+    return replay
+
+
+app.add_middleware(RequestGate)
 
 
 class ServeEngineClient:
@@ -78,51 +176,59 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _describe(item: dict) -> str:
-    location = ".".join(str(part) for part in item["loc"])
-    message = item["msg"].removeprefix("Value error, ")
-    if item["type"] == "extra_forbidden":
-        return f"unknown field '{location}'"
-    return f"{location}: {message}" if location else message
+def key_digest(key: str) -> str:
+    """What the ingress is given instead of the key itself (see `OpenAIIngress.authorize`)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, servers: dict[str, Any], metrics_hub: Any, api_key: str | None = None):
+    def __init__(
+        self,
+        servers: dict[str, Any],
+        metrics_hub: Any,
+        limits: dict[str, RequestLimits] | None = None,
+        api_key_sha256: str | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ):
+        """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
+        itself never travels in the application's arguments; a key in this replica's own
+        PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well."""
+        limits = limits or {}
         self.servers = servers  # served model name -> LLMServer handle
-        self.servings = {name: OpenAIServing(name, ServeEngineClient(handle)) for name, handle in servers.items()}
+        self.servings = {
+            name: OpenAIServing(name, ServeEngineClient(handle), limits.get(name, RequestLimits())) for name, handle in servers.items()
+        }
         self.metrics_hub = metrics_hub
-        self.api_key = api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+        own_key = os.environ.get("PAGEDSERVE_API_KEY")
+        digests = [api_key_sha256, key_digest(own_key) if own_key else None]
+        self.key_digests = [bytes.fromhex(digest) for digest in digests if digest]
+        self.max_request_body_bytes = max_request_body_bytes
 
-    @app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        body = await self._validated(request, CompletionRequest)
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
+    async def completions(self, body: CompletionRequest) -> Response:
         return _respond(await self._serving(body.model).completions(body))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        body = await self._validated(request, ChatCompletionRequest)
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         return _respond(await self._serving(body.model).chat(body))
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        self._authorize(request)
+    async def models(self) -> Response:
         cards = await asyncio.gather(*(handle.model_card.remote() for handle in self.servers.values()))
         created = int(time.time())
         data = [{"object": "model", "created": created, "owned_by": "pagedserve", **card} for card in cards]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.post("/tokenize")
-    async def tokenize(self, request: Request) -> Response:
-        body = await self._validated(request, TokenizeRequest)
+    @app.post("/tokenize", responses=_BODY_ROUTE_RESPONSES)
+    async def tokenize(self, body: TokenizeRequest) -> Response:
         messages = [m.as_template_message() for m in body.messages] if body.messages is not None else None
         tokens = await self._handle(body.model).tokenize.remote(body.prompt, messages, body.add_special_tokens)
         tokens = _unwrap(tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens)})
 
-    @app.post("/detokenize")
-    async def detokenize(self, request: Request) -> Response:
-        body = await self._validated(request, DetokenizeRequest)
+    @app.post("/detokenize", responses=_BODY_ROUTE_RESPONSES)
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
         return JSONResponse({"prompt": _unwrap(await self._handle(body.model).detokenize.remote(body.tokens))})
 
     @app.get("/health")
@@ -144,32 +250,16 @@ class OpenAIIngress:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    async def _validated(self, request: Request, model: type[BaseModel]) -> Any:
-        """Authorize, then parse and validate the JSON body (malformed or invalid: 400)."""
-        self._authorize(request)
-        try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(str(part) for part in first["loc"]) or None
-            messages = "; ".join(_describe(item) for item in error.errors())
-            raise APIError(400, messages, param=param) from None
-
-    def _authorize(self, request: Request) -> None:
-        """Every route but /health and /metrics calls this (load balancers and Prometheus carry
-        no key)."""
-        if self.api_key is None:
+    def authorize(self, header: str) -> None:
+        """Raise a 401 unless `header` is 'Bearer <key>' for a configured key (RequestGate calls
+        this for every route but OPEN_PATHS)."""
+        if not self.key_digests:
             return
-        header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        given = hashlib.sha256(token.strip().encode()).digest()
         # Constant-time comparison: the time taken must not reveal how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        matched = any([hmac.compare_digest(given, digest) for digest in self.key_digests])
+        if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
 
     def _serving(self, model: str) -> OpenAIServing:

@@ -8,7 +8,6 @@ releases every actor and exits.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -72,7 +71,7 @@ def _catch_stop_signals() -> Callable[[], int]:
 def _print_banner(config: ServerConfig) -> None:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
-    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key or os.environ.get("PAGEDSERVE_API_KEY") else ""
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.resolve_api_key() else ""
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % config.model_name
     print(
         f"pagedserve: serving '{config.model_name}' at {url}/v1 (started {time.strftime('%H:%M:%S')})\n"

@@ -36,6 +36,22 @@ class APIError(Exception):
         return cls(info.status, info.message, info.type, info.param)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """The engine's per-request limits the HTTP layer checks before anything is sent (its
+    EngineConfig's max_n and max_logprobs), so a 400 names the OpenAI field."""
+
+    max_n: int = 128
+    max_logprobs: int = 20
+
+    def check(self, num_prompts: int, n: int, logprobs: int | None, logprobs_field: str) -> None:
+        if num_prompts * n > self.max_n:
+            given = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n} = {num_prompts * n}"
+            raise APIError(400, f"{given} exceeds the limit of max_n={self.max_n} samples per request", param="n")
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(400, f"{logprobs_field}={logprobs} exceeds the limit of max_logprobs={self.max_logprobs}", param=logprobs_field)
+
+
 class EngineClient(Protocol):
     def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput | ErrorInfo]: ...
 
@@ -49,9 +65,10 @@ class _Started:
 
 
 class OpenAIServing:
-    def __init__(self, model_name: str, client: EngineClient):
+    def __init__(self, model_name: str, client: EngineClient, limits: RequestLimits = RequestLimits()):
         self.model_name = model_name
         self.client = client
+        self.limits = limits
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -62,6 +79,7 @@ class OpenAIServing:
             prompts = request.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
+        self.limits.check(len(prompts), request.n, request.logprobs, "logprobs")
         started = await self._start(response_id, prompts, params)
         num_top = request.logprobs or 0
 
@@ -75,6 +93,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         params = _sampling_params(request, request.max_output_tokens, request.num_logprobs)
         response_id = fmt.new_id("chatcmpl")
+        self.limits.check(1, request.n, request.top_logprobs, "top_logprobs")
         messages = [m.as_template_message() for m in request.messages]
         prompt = {"messages": messages, "add_generation_prompt": request.add_generation_prompt}
         started = await self._start(response_id, [prompt], params)

@@ -22,7 +22,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    n: int = 1
+    n: int = Field(1, ge=1)  # at most the engine's max_n (prompts x n for completions)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -86,7 +86,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: Literal[False] = False  # echoing the prompt is not served
     best_of: int | None = None
     suffix: None = None  # insertion is not served
@@ -137,7 +137,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     add_generation_prompt: bool = True  # vLLM extra
     tools: None = None  # tool calling is not served
     tool_choice: None = None
@@ -179,3 +179,16 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's shape)."""
+
+    error: ErrorDetail

@@ -250,3 +250,42 @@ def test_malformed_json_and_unknown_model(base_url, client):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
+
+
+def test_openapi_documents_request_bodies(base_url):
+    """Clients, docs and fuzzers learn the request bodies from the schema; errors are 400s in
+    OpenAI's shape, never FastAPI's 422."""
+    schema = requests.get(f"{base_url}/openapi.json", timeout=10).json()
+    bodies = {
+        "/v1/completions": "CompletionRequest",
+        "/v1/chat/completions": "ChatCompletionRequest",
+        "/tokenize": "TokenizeRequest",
+        "/detokenize": "DetokenizeRequest",
+    }
+    for path, model in bodies.items():
+        operation = schema["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert "422" not in operation["responses"] and "4XX" in operation["responses"]
+    completion = schema["components"]["schemas"]["CompletionRequest"]
+    assert {"model", "prompt"} <= set(completion["required"]) and "max_tokens" in completion["properties"]
+    assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["required"]
+    assert set(schema["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
+
+
+def test_bad_bodies_are_openai_shaped_400s(base_url):
+    post = lambda path, **kwargs: requests.post(f"{base_url}{path}", timeout=10, **kwargs)  # noqa: E731
+    cases = [
+        (post("/v1/completions", json=[1, 2]), "must be a JSON object"),
+        (post("/v1/completions", data=b"\xff\xfe{", headers={"content-type": "application/json"}), ""),
+        (post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"}), "max_tokens"),
+        (post("/v1/completions", json={"prompt": "x"}), "model"),
+        (post("/tokenize", json={"prompt": "x", "bogus": True}), "unknown field 'bogus'"),
+        (post("/detokenize", json={"tokens": "abc"}), "tokens"),
+        (post("/v1/chat/completions", json={"model": MODEL, "messages": "x" * 100_000}), "messages"),
+    ]
+    for response, fragment in cases:
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == 400 and fragment in error["message"], response.text
+        assert len(response.text) < 2000  # a huge bad value is not echoed back
+    missing = requests.get(f"{base_url}/v1/nothing-here", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"

@@ -91,7 +91,9 @@ def test_dead_engine_is_503(fragile_url, ray_cluster):
 
     client = openai.OpenAI(base_url=f"{fragile_url}/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.completions.create(model="fragile", prompt="Hello", max_tokens=4).usage.completion_tokens >= 1
-    workers = list_actors(filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")], detail=True)
+    # This session's cluster by address: other Ray clusters may run on the same machine.
+    address = ray_cluster.get_runtime_context().gcs_address
+    workers = list_actors(address=address, filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")], detail=True)
     assert len(workers) == 2
     os.kill(workers[0].pid, signal.SIGKILL)
     with pytest.raises(openai.APIStatusError) as info:
