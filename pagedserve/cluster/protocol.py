@@ -6,9 +6,21 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _encodable(value: Any) -> Any:
+    """Text that reaches the tokenizer: JSON may spell a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer can encode (it raised a TypeError in the engine: a 500)."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"unpaired UTF-16 surrogate at position {error.start}: not valid Unicode text") from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +80,8 @@ class SamplingFields(BaseModel):
             **{name: value for name, value in optional.items() if value is not None},
         )
 
+    _check_stop = field_validator("stop")(_encodable)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -91,6 +105,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: None = None  # insertion is not served
     logit_bias: dict[str, float] | None = None
+
+    _check_prompt = field_validator("prompt")(_encodable)
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -117,12 +133,16 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    _check_text = field_validator("text")(_encodable)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+
+    _check_content = field_validator("content")(_encodable)
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -167,6 +187,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+    _check_prompt = field_validator("prompt")(_encodable)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
