@@ -1,6 +1,7 @@
 """OpenAI's request bodies (with vLLM's extras) as pydantic models, and their mapping onto
 `SamplingParams`. Validation happens here, where the request enters: an unknown field, a value
-out of range or a feature we do not serve is a 400 that names it."""
+out of range or a feature we do not serve is a 400 that names it. Models are strict, as the JSON
+schema they publish is: `true` is not token id 1 and "16" is not a max_tokens."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ def _encodable(value: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     n: int = Field(1, ge=1)  # at most the engine's max_n (prompts x n for completions)
@@ -129,7 +130,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
@@ -137,7 +138,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
@@ -182,7 +183,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -198,7 +199,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 
