@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+MAX_REPORTED_PROBLEMS = 5  # validation problems named in one 400
 # Routes that answer without a key: load balancers, Prometheus and schema readers carry none.
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ERRORS = {"model": ErrorResponse, "description": "An error in OpenAI's shape"}
@@ -83,7 +84,11 @@ def _validation_error(items: list[dict[str, Any]]) -> APIError:
     if not located[0]["loc"] and first["type"] in ("missing", "model_attributes_type", "model_type", "dict_type"):
         return APIError(400, "the request body must be a JSON object")
     param = ".".join(str(part) for part in located[0]["loc"]) or None
-    return APIError(400, describe_validation_error(located, "field"), param=param)
+    # A body can hold a million wrong items: name the first few, or the 400 outgrows the request.
+    message = describe_validation_error(located[:MAX_REPORTED_PROBLEMS], "field")
+    if len(located) > MAX_REPORTED_PROBLEMS:
+        message += f"; and {len(located) - MAX_REPORTED_PROBLEMS} more problems"
+    return APIError(400, message, param=param)
 
 
 class RequestGate:
@@ -248,7 +253,7 @@ class OpenAIIngress:
             return JSONResponse(APIError(503, "the engine is not running", "ServiceUnavailableError").body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON
     async def metrics(self) -> Response:
         text = await self.metrics_hub.render.remote()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,25 +1,38 @@
 """OpenAI's request bodies (with vLLM's extras) as pydantic models, and their mapping onto
 `SamplingParams`. Validation happens here, where the request enters: an unknown field, a value
-out of range or a feature we do not serve is a 400 that names it."""
+out of range or a feature we do not serve is a 400 that names it. Models are strict, as the JSON
+schema they publish is: `true` is not token id 1 and "16" is not a max_tokens."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
+def _encodable(value: Any) -> Any:
+    """Text that reaches the tokenizer: JSON may spell a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer can encode (it raised a TypeError in the engine: a 500)."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"unpaired UTF-16 surrogate at position {error.start}: not valid Unicode text") from None
+    return value
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     n: int = Field(1, ge=1)  # at most the engine's max_n (prompts x n for completions)
@@ -68,6 +81,8 @@ class SamplingFields(BaseModel):
             **{name: value for name, value in optional.items() if value is not None},
         )
 
+    _check_stop = field_validator("stop")(_encodable)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -92,6 +107,8 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # insertion is not served
     logit_bias: dict[str, float] | None = None
 
+    _check_prompt = field_validator("prompt")(_encodable)
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
@@ -113,16 +130,20 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
+    _check_text = field_validator("text")(_encodable)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+
+    _check_content = field_validator("content")(_encodable)
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -162,11 +183,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+    _check_prompt = field_validator("prompt")(_encodable)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -176,7 +199,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int]
 

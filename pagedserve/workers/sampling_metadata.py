@@ -20,7 +20,9 @@ def build_sampling_batch(
     batch = SamplingBatch(temperature=temperature, all_greedy=all(p.is_greedy for p in params))
     if not batch.all_greedy:
         if any(p.top_k > 0 for p in params):
-            top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            # A top_k past the vocabulary keeps every token; clamped here, before an int64 tensor
+            # would overflow on a client's top_k >= 2**63 and kill the engine loop.
+            top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
             batch.top_k = torch.tensor(top_k, dtype=torch.long, device=device)
         if any(p.top_p < 1.0 for p in params):
             batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
