@@ -51,7 +51,7 @@ def build_checkpoint(args: argparse.Namespace, folder: Path) -> Path:
     """A random-weight Llama checkpoint of the requested size, with the demo tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedserve.demo import build_tokenizer
+    from pagedserve.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(folder)
     config = LlamaConfig(

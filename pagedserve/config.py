@@ -18,6 +18,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEMO_MODEL = "demo"
+MODEL_HELP = (
+    "A local Hugging Face checkpoint folder, a .gguf file, a model hub id ('org/name'), "
+    "'demo' (SmolLM2-135M-Instruct) or 'tiny' (a random-weight test model)."
+)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -42,8 +46,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="A local Hugging Face checkpoint folder, or 'demo'.")
-    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's.")
+    model: str = Field(description=MODEL_HELP)
+    tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to the model's.")
+    revision: str | None = Field(None, description="A hub model's branch, tag or commit (default: main).")
     dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = "auto"
     seed: int = 0
     max_model_len: int | None = Field(None, ge=1)
@@ -121,8 +126,8 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(DEMO_MODEL, description="A local Hugging Face checkpoint folder, or 'demo'.")
-    served_model_name: str | None = Field(None, description="The name clients ask for; default: the folder's name.")
+    model: str = Field(DEMO_MODEL, description=MODEL_HELP)
+    served_model_name: str | None = Field(None, description="The name clients ask for; default: the model argument as given.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY).")
@@ -147,9 +152,7 @@ class ServerConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return DEMO_MODEL if self.model == DEMO_MODEL else Path(self.model).name
+        return self.served_model_name or self.model
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
@@ -222,8 +225,10 @@ class ModelConfig:
 
 def resolve_model_config(config: EngineConfig) -> ModelConfig:
     """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape."""
-    model_path = resolve_model_path(config.model)
-    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    from pagedserve.model_resolver import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(config.model, config.tokenizer, config.revision)
+    model_path, tokenizer_path = checkpoint.model_path, checkpoint.tokenizer_path
     hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
     device = resolve_device(config.device, in_process=config.executor_backend == "uni")
@@ -243,27 +248,6 @@ def resolve_model_config(config: EngineConfig) -> ModelConfig:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
         eos_token_ids=_eos_token_ids(model_path, hf_config),
     )
-
-
-def resolve_model_path(model: str) -> Path:
-    if model == DEMO_MODEL:
-        from pagedserve.demo import ensure_demo_model
-
-        return ensure_demo_model()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model folder '{model}' does not exist (give a local Hugging Face checkpoint "
-            f"folder, or '{DEMO_MODEL}' for the built-in demo model; no model hub is reached)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder '{path}' has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"model folder '{path}' has no *.safetensors weights "
-            "(PyTorch .bin checkpoints are not supported)"
-        )
-    return path
 
 
 def resolve_device(device: str, in_process: bool = True) -> str:

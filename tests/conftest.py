@@ -32,7 +32,7 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(artifacts) -> Path:
-    from pagedserve.demo import build_tokenizer
+    from pagedserve.tiny_model import build_tokenizer
 
     folder = artifacts / "tokenizer"
     build_tokenizer(folder, vocab_size=TOKENIZER_VOCAB)
