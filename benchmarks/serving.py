@@ -7,16 +7,16 @@ as a Poisson process at `--request-rate` (`inf`: all at once), optionally capped
 `--max-concurrency` requests in flight. The JSON reports throughput and the mean, p50, p90 and p99
 of TTFT, TPOT, ITL and end-to-end latency (ms); definitions are in serving_metrics.py.
 
-    # one rate against a running server (`pagedserve serve` serves the demo model on port 8000)
+    # one rate against a running server (`pagedserve serve --model tiny --served-model-name demo` on port 8000)
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64
     # a fixed concurrency instead of a rate
     python benchmarks/serving.py --request-rate inf --max-concurrency 8 --num-prompts 64
     # a sweep: every rate's result in the JSON, latency percentiles against rate in a PNG
     python benchmarks/serving.py --request-rates 1,2,4,inf --plot serving.png --output serving.json
     # the engine alone, in this process
-    python benchmarks/serving.py --backend inprocess --model-path demo --max-model-len 512
+    python benchmarks/serving.py --backend inprocess --model-path tiny --max-model-len 512
     # the Serve path's overhead: in-process first, then the server, same prompts and arrivals
-    python benchmarks/serving.py --compare --model-path demo --base-url http://127.0.0.1:8000 \\
+    python benchmarks/serving.py --compare --model-path tiny --base-url http://127.0.0.1:8000 \\
         --request-rates 2,8,inf --num-prompts 64
 
 Against a long-running server, give each run its own `--seed`: a server that already saw the same
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name sent to the server (default: its first in /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--model-path", default="demo", help="checkpoint folder or 'demo' (inprocess)")
+    parser.add_argument("--model-path", default="tiny", help="checkpoint folder, .gguf file, 'tiny' or 'demo' (inprocess)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s of a Poisson process; inf: all at once")
     parser.add_argument("--request-rates", help="comma-separated rates to sweep, e.g. 1,2,4,inf")

@@ -6,7 +6,7 @@ Hugging Face runs them as a user would: left-padded batches of `--hf-batch-size`
 order, greedy, exactly `output_len` new tokens. pagedserve gets all prompts at once.
 
 It also measures the engine's own CPU cost per step (schedule + update + input preparation) with
-256 running requests, on the small demo model so the forward pass does not dominate the run.
+256 running requests, on the tiny random-weight model so the forward pass does not dominate the run.
 
     python benchmarks/throughput.py                 # the defaults of benchmarks/results/ (about 7 min here)
     python benchmarks/throughput.py --num-prompts 16 --output-len 8 --skip-overhead   # smoke run
@@ -51,7 +51,7 @@ def build_checkpoint(args: argparse.Namespace, folder: Path) -> Path:
     """A random-weight Llama checkpoint of the requested size, with the demo tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pagedserve.demo import build_tokenizer
+    from pagedserve.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(folder)
     config = LlamaConfig(
@@ -165,7 +165,7 @@ def measure_engine_overhead(num_requests: int = 256, steps: int = 30) -> dict:
 
         return wrapper
 
-    llm = LLM("demo", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512)
+    llm = LLM("tiny", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512)
     engine = llm.llm_engine
     originals = (Scheduler.schedule, Scheduler.update_from_output, model_runner.build_step_inputs, OutputProcessor.process_outputs)
     Scheduler.schedule = timed("schedule", Scheduler.schedule)
@@ -193,7 +193,7 @@ def measure_engine_overhead(num_requests: int = 256, steps: int = 30) -> dict:
         llm.shutdown()
     result = {name: round(statistics.median(v) * 1e3, 3) for name, v in timings.items()}
     result["engine_total"] = round(result["schedule"] + result["update"] + result["prepare_inputs"], 3)
-    result["whole_step_demo_model"] = round(statistics.median(step_times) * 1e3, 2)
+    result["whole_step_tiny_model"] = round(statistics.median(step_times) * 1e3, 2)
     return {"running_requests": num_requests, "median_ms_per_step": result}
 
 

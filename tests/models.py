@@ -82,12 +82,15 @@ def build_model(folder: Path, name: str, tokenizer_dir: Path, seed: int = 0, **o
 
 
 class HFReference:
-    """Greedy completions from Hugging Face transformers, cached per (prompt, max_tokens)."""
+    """Greedy completions from Hugging Face transformers, cached per (prompt, max_tokens). A
+    `.gguf` path is loaded by transformers' own GGUF loader (dequantized to float32)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        where = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
+        folder = path.parent if where else path
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **where).eval()
         self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     @torch.inference_mode()
@@ -104,3 +107,66 @@ class HFReference:
             )
             self.cache[key] = out[0, len(prompt_token_ids):].tolist()
         return self.cache[key]
+
+
+# Hugging Face Llama tensor names -> llama.cpp's, for GGUF files written by the tests.
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def build_gguf(path: Path, hf_folder: Path, tensor_type: str, architecture: str = "llama") -> Path:
+    """Write a Llama checkpoint folder as a GGUF file whose 2-D weights are `tensor_type`
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), with no tokenizer metadata. Q and K rows are
+    permuted as llama.cpp's converter does (transformers undoes it when it reads the file)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config["vocab_size"])
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for name, tensor in load_file(str(hf_folder / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, heads)
+        elif name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, kv_heads)
+        if array.ndim == 1:  # norms stay float32, as llama.cpp keeps them
+            writer.add_tensor(_gguf_name(name), array.astype(np.float32))
+        else:
+            data = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, _, layer, rest = name.split(".", 3)  # model.layers.N.self_attn.q_proj.weight
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def _llama_cpp_permute(weights, num_heads: int):
+    rows = weights.shape[0]
+    return weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)

@@ -44,6 +44,7 @@ class LLMEngine:
         self.executor = Executor.create(config, self.model_config, placement_group)
         try:
             num_blocks = self._initialize_kv_cache()
+            self.model_config = _fit_max_model_len(self.model_config, config.max_model_len, num_blocks * config.block_size)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -189,6 +190,23 @@ class LLMEngine:
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()
+
+
+def _fit_max_model_len(model_config: ModelConfig, requested: int | None, kv_capacity: int) -> ModelConfig:
+    """A request must fit in the KV cache whole. A model's own limit (SmolLM2 says 8192) may be
+    more than a CPU cache holds: capped, as vLLM does; a limit the user asked for is an error."""
+    if model_config.max_model_len <= kv_capacity:
+        return model_config
+    if requested is not None:
+        raise ValueError(
+            f"max_model_len={requested} is more than the KV cache holds ({kv_capacity} tokens); lower "
+            "max_model_len or give the cache more memory (kv_cache_memory_bytes, gpu_memory_utilization)"
+        )
+    logger.warning(
+        "max_model_len capped from %d (the model's limit) to %d, what the KV cache holds",
+        model_config.max_model_len, kv_capacity,
+    )
+    return dataclasses.replace(model_config, max_model_len=kv_capacity)
 
 
 def _with_tokenizer_eos(model_config: ModelConfig, tokenizer: Any) -> ModelConfig:

@@ -1,5 +1,5 @@
 """benchmarks/serving.py against a fake OpenAI-compatible streaming server and the in-process
-AsyncLLM on the demo model: the JSON's fields, sane percentiles, the sweep's PNG, the comparison."""
+AsyncLLM on the tiny model: the JSON's fields, sane percentiles, the sweep's PNG, the comparison."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def test_http_fixed_concurrency_against_fake_server(fake_server, capsys):
 def test_compare_sweep_inprocess_then_http(fake_server, tmp_path, capsys):
     _, url = fake_server
     plot, output = tmp_path / "latency.png", tmp_path / "report.json"
-    argv = ["--compare", "--model-path", "demo", "--max-model-len", "128", "--base-url", url, "--model", FAKE_MODEL,
+    argv = ["--compare", "--model-path", "tiny", "--max-model-len", "128", "--base-url", url, "--model", FAKE_MODEL,
             "--request-rates", "20,inf", "--prompt-format", "text", "--plot", str(plot), "--output", str(output), *SMALL]
     serving.main(argv)
     report = json.loads(capsys.readouterr().out)

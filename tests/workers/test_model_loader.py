@@ -86,17 +86,17 @@ def test_index_naming_an_absent_shard(tmp_path, model_dirs):
         LLM(str(folder))
 
 
-def test_demo_model_builds_and_generates(tmp_path, monkeypatch):
+def test_tiny_model_builds_and_generates(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    llm = LLM("demo")
+    llm = LLM("tiny")
     try:
         first = greedy_tokens(llm, "Hello, my name is", 8)
         assert len(first) == 8
-        assert (tmp_path / "demo-v1" / "model.safetensors").is_file()
+        assert (tmp_path / "tiny-v1" / "model.safetensors").is_file()
     finally:
         llm.shutdown()
     # Built once, deterministically: a second engine on the same folder agrees.
-    again = LLM("demo")
+    again = LLM("tiny")
     try:
         assert greedy_tokens(again, "Hello, my name is", 8) == first
     finally:
