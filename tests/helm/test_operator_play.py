@@ -1,0 +1,103 @@
+"""Play the KubeRay operator with the chart's CPU values: Ray nodes started from the rendered pod
+specs, serveConfigV2 deployed through the dashboard's REST API, KubeRay's probes, then the real
+`openai` client against the serve port with the key from the Secret. The dashboard's queries are
+checked against the running server's /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+import openai
+import pytest
+import requests
+
+from tests.helm.conftest import CHART, one, pod_templates, render, serve_config
+from tests.helm.operator import free_port, new_cluster, pod_env, wait_for
+
+MODEL_NAME = "tiny-llama"
+SECRET = ("pagedserve-api-key", "api-key")
+
+
+@pytest.fixture(scope="module")
+def played(helm, model_dirs):
+    model = model_dirs["llama"]
+    settings = {
+        "server.model": str(model),
+        "server.served_model_name": MODEL_NAME,
+        # The hostPath is mounted at the same path in the pods, so the folder is where it is here.
+        "model.hostPath": str(model.parent),
+        "model.mountPath": str(model.parent),
+        "apiKey": {"secretName": SECRET[0], "secretKey": SECRET[1]},
+    }
+    rayservice = one(render(helm, [CHART / "ci" / "cpu-values.yaml"], settings), "RayService")
+    api_key = secrets.token_urlsafe(24)
+    secret_data = {SECRET[0]: {SECRET[1]: api_key}}
+    cluster = new_cluster()
+    try:
+        groups = pod_templates(rayservice)
+        for index, (_, params, pod) in enumerate(groups):
+            cluster.start_node(pod, params, pod_env(pod["containers"][0], secret_data), is_head=index == 0)
+            if index == 0:
+                wait_for(lambda: cluster.node_count() >= 1, 120, "head node up", cluster)
+        wait_for(lambda: cluster.node_count() == len(groups), 120, "worker nodes joined", cluster)
+        config = serve_config(rayservice)
+        serve_port = free_port()  # the pod's 8000, here a free port on the shared host
+        config["http_options"]["port"] = serve_port
+        cluster.deploy(config)
+        (app,) = config["applications"]
+        wait_for(lambda: cluster.application_status(app["name"]) == "RUNNING", 300, "application RUNNING", cluster)
+        yield cluster, f"http://127.0.0.1:{serve_port}", api_key
+    finally:
+        cluster.tear_down()
+
+
+def test_probes_pass_as_kuberay_sends_them(played):
+    cluster, serve_url, _ = played
+    for port in cluster.agent_ports:  # every pod's liveness/readiness: the raylet is healthy
+        response = requests.get(f"http://127.0.0.1:{port}/api/local_raylet_healthz", timeout=10)
+        assert response.status_code == 200 and "success" in response.text, response.text
+    response = requests.get(f"{cluster.dashboard_url}/api/gcs_healthz", timeout=10)  # the head's
+    assert response.status_code == 200 and "success" in response.text, response.text
+    response = requests.get(f"{serve_url}/-/healthz", timeout=10)  # a serving pod's readiness
+    assert response.status_code == 200 and "success" in response.text, response.text
+
+
+def test_dashboard_rest_api_requires_the_cluster_token(played):
+    cluster, _, _ = played
+    response = requests.get(f"{cluster.dashboard_url}/api/serve/applications/", timeout=10)
+    assert response.status_code == 401
+
+
+def test_chat_completion_with_the_secret_key(played):
+    _, serve_url, api_key = played
+    client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    assert [model.id for model in client.models.list()] == [MODEL_NAME]
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
+    )
+    assert response.usage.completion_tokens == 8 and response.choices[0].finish_reason == "length"
+    stranger = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+
+
+def test_dashboard_queries_only_exported_metrics(played):
+    cluster, serve_url, api_key = played
+    client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+    client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4)
+
+    def exported_once_reported() -> set[str]:
+        # Replicas report to the metrics hub periodically; finish reasons appear after the first report.
+        text = requests.get(f"{serve_url}/metrics", timeout=30).text
+        names = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{| )", text, re.M))
+        return names if "pagedserve:request_success_total" in names else set()
+
+    exported = wait_for(exported_once_reported, 60, "finished requests in /metrics", cluster)
+    dashboard = json.loads((CHART / "dashboards" / "pagedserve.json").read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    expressions.append(dashboard["templating"]["list"][1]["definition"])
+    queried = {name for expr in expressions for name in re.findall(r"pagedserve:[a-z0-9_]+", expr)}
+    assert len(queried) >= 13, queried  # every panel family: gauges, counters, four histograms
+    assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
