@@ -39,6 +39,15 @@ def render(helm: Path, values_files: list[Path] = (), settings: dict[str, Any] |
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def notes(helm: Path, values_files: list[Path] = (), settings: dict[str, Any] | None = None) -> str:
+    """NOTES.txt as `helm install` prints it (a client-side dry run: no cluster is reached)."""
+    args = template_args(values_files, settings)
+    args[0] = "install"
+    result = run_helm(helm, *args, "--dry-run=client")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:\n", 1)[1]
+
+
 def template_args(values_files: list[Path] = (), settings: dict[str, Any] | None = None) -> list[str]:
     args = ["template", RELEASE, str(CHART), "--namespace", "llm"]
     for path in values_files:

@@ -8,16 +8,26 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from dataclasses import dataclass
 
 import openai
 import pytest
 import requests
 
-from tests.helm.conftest import CHART, one, pod_templates, render, serve_config
-from tests.helm.operator import free_port, new_cluster, pod_env, wait_for
+from pagedserve import LLM, SamplingParams
+from tests.helm.conftest import CHART, notes, one, pod_templates, render, serve_config
+from tests.helm.operator import PlayedCluster, free_port, new_cluster, pod_env, wait_for
 
 MODEL_NAME = "tiny-llama"
 SECRET = ("pagedserve-api-key", "api-key")
+
+
+@dataclass
+class Played:
+    cluster: PlayedCluster
+    serve_url: str
+    api_key: str  # the Secret's value
+    notes: str  # NOTES.txt as `helm install` prints it
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +41,8 @@ def played(helm, model_dirs):
         "model.mountPath": str(model.parent),
         "apiKey": {"secretName": SECRET[0], "secretKey": SECRET[1]},
     }
-    rayservice = one(render(helm, [CHART / "ci" / "cpu-values.yaml"], settings), "RayService")
+    values = [CHART / "ci" / "cpu-values.yaml"]
+    rayservice = one(render(helm, values, settings), "RayService")
     api_key = secrets.token_urlsafe(24)
     secret_data = {SECRET[0]: {SECRET[1]: api_key}}
     cluster = new_cluster()
@@ -48,13 +59,13 @@ def played(helm, model_dirs):
         cluster.deploy(config)
         (app,) = config["applications"]
         wait_for(lambda: cluster.application_status(app["name"]) == "RUNNING", 300, "application RUNNING", cluster)
-        yield cluster, f"http://127.0.0.1:{serve_port}", api_key
+        yield Played(cluster, f"http://127.0.0.1:{serve_port}", api_key, notes(helm, values, settings))
     finally:
         cluster.tear_down()
 
 
 def test_probes_pass_as_kuberay_sends_them(played):
-    cluster, serve_url, _ = played
+    cluster, serve_url = played.cluster, played.serve_url
     for port in cluster.agent_ports:  # every pod's liveness/readiness: the raylet is healthy
         response = requests.get(f"http://127.0.0.1:{port}/api/local_raylet_healthz", timeout=10)
         assert response.status_code == 200 and "success" in response.text, response.text
@@ -65,26 +76,44 @@ def test_probes_pass_as_kuberay_sends_them(played):
 
 
 def test_dashboard_rest_api_requires_the_cluster_token(played):
-    cluster, _, _ = played
+    cluster = played.cluster
     response = requests.get(f"{cluster.dashboard_url}/api/serve/applications/", timeout=10)
     assert response.status_code == 401
 
 
-def test_chat_completion_with_the_secret_key(played):
-    _, serve_url, api_key = played
+def test_chat_completion_with_the_secret_key(played, model_dirs):
+    serve_url, api_key = played.serve_url, played.api_key
     client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key=api_key, max_retries=0, timeout=120)
     assert [model.id for model in client.models.list()] == [MODEL_NAME]
-    response = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
-    )
+    messages = [{"role": "user", "content": "Hello!"}]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
     assert response.usage.completion_tokens == 8 and response.choices[0].finish_reason == "length"
+    # The rendered config serves the checkpoint it names: greedy text equals the offline engine's.
+    llm = LLM(str(model_dirs["llama"]), max_model_len=256)
+    try:
+        expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert response.choices[0].message.content == expected.text
     stranger = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="not-the-key", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
 
 
+def test_notes_curl_line_works(played):
+    """The request NOTES.txt tells users to send, sent with the header it names."""
+    serve_url, api_key, printed = played.serve_url, played.api_key, played.notes
+    assert 'Authorization: Bearer $PAGEDSERVE_API_KEY' in printed
+    body = json.loads(re.search(r"-d '(.+)'", printed).group(1))
+    response = requests.post(
+        f"{serve_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL_NAME
+
+
 def test_dashboard_queries_only_exported_metrics(played):
-    cluster, serve_url, api_key = played
+    cluster, serve_url, api_key = played.cluster, played.serve_url, played.api_key
     client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key=api_key, max_retries=0, timeout=120)
     client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4)
 
