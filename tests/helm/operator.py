@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import psutil
 import requests
+
+from tests.cluster.conftest import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 # Ports a node listens on besides the head's own: each gets a free one.
@@ -35,12 +36,6 @@ NODE_PORT_FLAGS = (
     "object-manager-port",
 )
 HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pod_env(container: dict, secret_data: dict[str, dict[str, str]]) -> dict[str, str]:

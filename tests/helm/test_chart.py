@@ -238,3 +238,14 @@ def test_good_gpu_combination_renders(helm):
     """The boundary of the GPU check: exactly enough GPUs renders."""
     groups = [{"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 2, "gpus": 2}]
     render(helm, settings={"server.engine.tensor_parallel_size": 2, "server.deployment.num_replicas": 2, "workerGroups": groups})
+
+
+def test_notes_say_how_to_reach_the_endpoint(helm):
+    from tests.helm.conftest import notes
+
+    printed = notes(helm, [CHART / "ci" / "apikey-monitoring-values.yaml"])
+    assert "svc/ps-pagedserve-serve 8000:80" in printed
+    assert "https://llm.example.com/v1" in printed
+    assert "kubectl get secret -n llm pagedserve-api-key -o jsonpath='{.data.api-key}' | base64 -d" in printed
+    assert '"model": "qwen3-0.6b"' in printed and "WARNING" not in printed
+    assert "WARNING: no API key" in notes(helm)

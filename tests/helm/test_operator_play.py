@@ -16,7 +16,8 @@ import requests
 
 from pagedserve import LLM, SamplingParams
 from tests.helm.conftest import CHART, notes, one, pod_templates, render, serve_config
-from tests.helm.operator import PlayedCluster, free_port, new_cluster, pod_env, wait_for
+from tests.cluster.conftest import free_port
+from tests.helm.operator import PlayedCluster, new_cluster, pod_env, wait_for
 
 MODEL_NAME = "tiny-llama"
 SECRET = ("pagedserve-api-key", "api-key")
