@@ -59,6 +59,7 @@ def cpu_limit(container: dict) -> str:
 @dataclass
 class PlayedCluster:
     temp_dir: str
+    auth_mode: str  # the RayService's authOptions.mode: "token" or "disabled"
     auth_token: str
     gcs_address: str = ""
     dashboard_url: str = ""
@@ -84,11 +85,13 @@ class PlayedCluster:
         node_env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS" and not key.startswith("RAY_AUTH")}
         node_env.update(env)
         # authOptions.mode=token: KubeRay puts the cluster's token in every Ray container.
-        node_env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.auth_token)
-        log = open(Path(self.temp_dir) / f"ray-start-{len(self.processes)}.log", "w")
-        self.processes.append(
-            subprocess.Popen(args, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        node_env["RAY_AUTH_MODE"] = self.auth_mode
+        if self.auth_mode == "token":
+            node_env["RAY_AUTH_TOKEN"] = self.auth_token
+        with open(Path(self.temp_dir) / f"ray-start-{len(self.processes)}.log", "w") as log:
+            self.processes.append(
+                subprocess.Popen(args, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
         self.agent_ports.append(ports["dashboard-agent-listen-port"])
         if is_head:
             self.gcs_address = f"127.0.0.1:{ports['port']}"
@@ -156,10 +159,11 @@ def _signal(process: psutil.Process, sig: int) -> None:
         pass
 
 
-def new_cluster() -> PlayedCluster:
+def new_cluster(rayservice: dict) -> PlayedCluster:
     # Short: Ray's unix socket paths live under it and are limited to ~107 characters.
     temp_dir = tempfile.mkdtemp(prefix="psk", dir="/tmp")
-    return PlayedCluster(temp_dir=temp_dir, auth_token=secrets.token_hex(32))
+    auth_mode = rayservice["spec"]["rayClusterConfig"].get("authOptions", {}).get("mode", "disabled")
+    return PlayedCluster(temp_dir=temp_dir, auth_mode=auth_mode, auth_token=secrets.token_hex(32))
 
 
 def wait_for(predicate, timeout: float, what: str, cluster: PlayedCluster, interval: float = 0.5):

@@ -46,7 +46,7 @@ def played(helm, model_dirs):
     rayservice = one(render(helm, values, settings), "RayService")
     api_key = secrets.token_urlsafe(24)
     secret_data = {SECRET[0]: {SECRET[1]: api_key}}
-    cluster = new_cluster()
+    cluster = new_cluster(rayservice)
     try:
         groups = pod_templates(rayservice)
         for index, (_, params, pod) in enumerate(groups):
