@@ -238,6 +238,8 @@ def test_good_gpu_combination_renders(helm):
     """The boundary of the GPU check: exactly enough GPUs renders."""
     groups = [{"name": "gpu", "replicas": 1, "minReplicas": 1, "maxReplicas": 2, "gpus": 2}]
     render(helm, settings={"server.engine.tensor_parallel_size": 2, "server.deployment.num_replicas": 2, "workerGroups": groups})
+    # An engine pinned to the CPU needs no GPUs, whatever the worker groups have.
+    render(helm, settings={"server.engine.tensor_parallel_size": 8, "server.engine.device": "cpu", "workerGroups": groups})
 
 
 def test_notes_say_how_to_reach_the_endpoint(helm):

@@ -10,10 +10,11 @@
 {{- fail "model.persistentVolumeClaim and model.hostPath are both set: give one of them" -}}
 {{- end -}}
 {{- $capacity := int (include "pagedserve.gpuCapacity" .) -}}
-{{- if and (eq (toString (default "auto" $engine.device)) "cuda") (eq $capacity 0) -}}
+{{- $device := toString (default "auto" $engine.device) -}}
+{{- if and (eq $device "cuda") (eq $capacity 0) -}}
 {{- fail "server.engine.device is \"cuda\" but no worker group has GPUs: set gpus (and maxReplicas) on a workerGroups entry" -}}
 {{- end -}}
-{{- if gt $capacity 0 -}}
+{{- if and (gt $capacity 0) (ne $device "cpu") -}}
 {{- $world := mul (int (default 1 $engine.tensor_parallel_size)) (int (default 1 $engine.pipeline_parallel_size)) -}}
 {{- $replicas := int (default 1 $deployment.num_replicas) -}}
 {{- $source := "server.deployment.num_replicas" -}}
