@@ -1,0 +1,24 @@
+# pagedserve on Ray, the image the Helm chart's pods run (helm/pagedserve). Two variants:
+#   docker build -t ghcr.io/pagedserve/pagedserve:0.1.0-cpu .                        # CPU nodes
+#   docker build -t ghcr.io/pagedserve/pagedserve:0.1.0-cuda --build-arg VARIANT=cuda .  # GPU nodes
+# The base is Ray's own image at the Ray version pinned in constraints.txt: KubeRay's rayVersion,
+# the head and every worker must run the same Ray.
+ARG RAY_VERSION=2.60.0
+ARG VARIANT=cpu
+
+FROM rayproject/ray:${RAY_VERSION}-py311-cpu AS base-cpu
+# PyPI's torch for Linux is the CUDA build (GBs of CUDA libraries); the CPU nodes get the CPU
+# build of the same pinned version from PyTorch's index first, so the install below keeps it.
+COPY --chown=ray:users constraints.txt /tmp/constraints.txt
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+        "$(grep '^torch==' /tmp/constraints.txt)"
+
+FROM rayproject/ray:${RAY_VERSION}-py311-gpu AS base-cuda
+
+FROM base-${VARIANT}
+WORKDIR /home/ray/pagedserve
+COPY --chown=ray:users pyproject.toml constraints.txt README.md ./
+COPY --chown=ray:users pagedserve ./pagedserve
+RUN pip install --no-cache-dir -c constraints.txt .
+# No model hub is reached: checkpoints come from the chart's model volume.
+ENV HF_HUB_OFFLINE=1

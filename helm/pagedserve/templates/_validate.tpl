@@ -1,0 +1,43 @@
+{{/* Combinations that could never run fail the render, naming what is wrong. */}}
+{{- define "pagedserve.validate" -}}
+{{- $server := .Values.server -}}
+{{- $engine := default dict $server.engine -}}
+{{- $deployment := default dict $server.deployment -}}
+{{- if $server.api_key -}}
+{{- fail "server.api_key must not be given in plain text: create a Secret and set apiKey.secretName (and apiKey.secretKey); the key reaches the server as PAGEDSERVE_API_KEY" -}}
+{{- end -}}
+{{- if and .Values.model.persistentVolumeClaim .Values.model.hostPath -}}
+{{- fail "model.persistentVolumeClaim and model.hostPath are both set: give one of them" -}}
+{{- end -}}
+{{- $capacity := int (include "pagedserve.gpuCapacity" .) -}}
+{{- $device := toString (default "auto" $engine.device) -}}
+{{- if and (eq $device "cuda") (eq $capacity 0) -}}
+{{- fail "server.engine.device is \"cuda\" but no worker group has GPUs: set gpus (and maxReplicas) on a workerGroups entry" -}}
+{{- end -}}
+{{- if and (gt $capacity 0) (ne $device "cpu") -}}
+{{- $world := mul (int (default 1 $engine.tensor_parallel_size)) (int (default 1 $engine.pipeline_parallel_size)) -}}
+{{- $replicas := int (default 1 $deployment.num_replicas) -}}
+{{- $source := "server.deployment.num_replicas" -}}
+{{- if $deployment.autoscaling_config -}}
+{{- $replicas = int (default 1 $deployment.autoscaling_config.max_replicas) -}}
+{{- $source = "server.deployment.autoscaling_config.max_replicas" -}}
+{{- end -}}
+{{- $needed := mul $world $replicas -}}
+{{- if gt $needed $capacity -}}
+{{- fail (printf "tensor_parallel_size x pipeline_parallel_size = %d GPUs per replica x %d replicas (%s) needs %d GPUs, but the worker groups can have at most %d (the sum of gpus x maxReplicas)" $world $replicas $source $needed $capacity) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.workerGroups -}}
+{{- if gt (int .minReplicas) (int .maxReplicas) -}}
+{{- fail (printf "workerGroups %q: minReplicas (%d) exceeds maxReplicas (%d)" .name (int .minReplicas) (int .maxReplicas)) -}}
+{{- end -}}
+{{- if or (lt (int .replicas) (int .minReplicas)) (gt (int .replicas) (int .maxReplicas)) -}}
+{{- fail (printf "workerGroups %q: replicas (%d) must be between minReplicas (%d) and maxReplicas (%d)" .name (int .replicas) (int .minReplicas) (int .maxReplicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- $grace := 30 -}}
+{{- if hasKey $server "graceful_shutdown_s" -}}{{- $grace = $server.graceful_shutdown_s -}}{{- end -}}
+{{- if lt (float64 .Values.rayClusterDeletionDelaySeconds) (float64 $grace) -}}
+{{- fail (printf "rayClusterDeletionDelaySeconds (%v) is shorter than server.graceful_shutdown_s (%v): the old cluster would be deleted while its requests still drain" .Values.rayClusterDeletionDelaySeconds $grace) -}}
+{{- end -}}
+{{- end -}}
