@@ -11,6 +11,8 @@ import bisect
 import copy
 from dataclasses import dataclass, field
 
+from pagedserve.engine.outputs import FinishReason
+
 # Upper bucket bounds in seconds (vLLM's choices).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -60,8 +62,8 @@ class EngineStats:
     e2e_request_latency_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     request_queue_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
 
-    def record_finished(self, reason: str, e2e_latency: float) -> None:
-        self.request_success_total[reason] = self.request_success_total.get(reason, 0) + 1
+    def record_finished(self, reason: FinishReason, e2e_latency: float) -> None:
+        self.request_success_total[reason.value] = self.request_success_total.get(reason.value, 0) + 1
         self.e2e_request_latency_seconds.observe(e2e_latency)
 
     def copy(self) -> EngineStats:
