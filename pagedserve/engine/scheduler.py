@@ -79,7 +79,7 @@ class Scheduler:
 
     def requeue_after_worker_loss(self) -> None:
         """The workers and their KV caches are gone: every running request goes back to the
-        waiting queue (in arrival order) to be recomputed from its tokens, and no cached prefix
+        waiting queue (in arrival order) to be recomputed from its tokens, and no prefix-cache block
         can be trusted any more."""
         while self.running:
             self._requeue(self.running.pop())
@@ -108,7 +108,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
+        diffs = CachedRequestData()  # for the running requests, which the workers hold
 
         self._preempted_this_step = False
         index = 0
@@ -121,7 +121,7 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._add_cached(cached, request, new_blocks)
+            self._add_diff(diffs, request, new_blocks)
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
@@ -148,7 +148,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
         total = self.max_num_batched_tokens - budget
-        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+        return SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
@@ -243,9 +243,9 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _add_cached(self, cached: CachedRequestData, request: Request, new_blocks: list) -> None:
-        cached.req_ids.append(request.request_id)
-        cached.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
+    def _add_diff(self, diffs: CachedRequestData, request: Request, new_blocks: list) -> None:
+        diffs.req_ids.append(request.request_id)
+        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
         request.num_tokens_on_workers = request.num_tokens
-        cached.new_block_ids.append([block.block_id for block in new_blocks])
-        cached.num_computed_tokens.append(request.num_computed_tokens)
+        diffs.new_block_ids.append([block.block_id for block in new_blocks])
+        diffs.num_computed_tokens.append(request.num_computed_tokens)
