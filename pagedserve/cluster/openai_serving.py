@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from pagedserve.cluster import openai_format as fmt
 from pagedserve.cluster.llm_server import ErrorInfo
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pagedserve.engine.outputs import FinishReason
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -133,7 +134,7 @@ class OpenAIServing:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for prompt_index, item in enumerate(started):
             final = item.first
-            if any(c.finish_reason == "abort" for c in final.outputs):
+            if any(c.finish_reason == FinishReason.ABORT.value for c in final.outputs):
                 raise APIError(503, "the request was aborted: the engine stopped serving it", "ServiceUnavailableError")
             prompt_tokens += len(final.prompt_token_ids)
             for completion in final.outputs:

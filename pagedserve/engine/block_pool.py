@@ -32,7 +32,7 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None  # set once the block is full and registered
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, registered={self.block_hash is not None})"
 
 
 class BlockPool:
@@ -42,7 +42,8 @@ class BlockPool:
         # Blocks with ref_cnt 0, least recently freed first. An OrderedDict gives O(1) removal of a
         # revived block from the middle.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # The prefix cache: full blocks registered under their hash (freed ones too, until evicted).
+        self.registered_blocks: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,8 +53,8 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
+    def get_registered_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.registered_blocks.get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Fresh blocks (ref_cnt 1) from the front of the free queue, evicting their old hashes."""
@@ -83,22 +84,22 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def register_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash. If an equal block is already registered (two
         requests computed the same prefix at once) the first stays and this one stays anonymous."""
-        if block.block_hash is not None or block_hash in self.cached:
+        if block.block_hash is not None or block_hash in self.registered_blocks:
             return
         block.block_hash = block_hash
-        self.cached[block_hash] = block
+        self.registered_blocks[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (the K/V contents are gone, e.g. after a worker restart)."""
         for block in self.blocks:
             block.block_hash = None
-        self.cached.clear()
+        self.registered_blocks.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            if self.registered_blocks.get(block.block_hash) is block:
+                del self.registered_blocks[block.block_hash]
             block.block_hash = None

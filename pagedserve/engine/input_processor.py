@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.request import max_kv_slots_needed, resolve_max_tokens
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
@@ -21,11 +22,11 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig, max_cached_tokens: int):
+    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig, num_kv_cache_slots: int):
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.model_config = model_config
-        self.max_cached_tokens = max_cached_tokens  # the whole KV cache, in tokens
+        self.num_kv_cache_slots = num_kv_cache_slots  # the whole KV cache's capacity, in tokens
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
@@ -77,11 +78,11 @@ class InputProcessor:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         max_len = self.model_config.max_model_len
-        max_tokens = params.max_tokens or max(max_len - num_prompt_tokens, 1)
-        needed = min(num_prompt_tokens + max_tokens - 1, max_len)
-        if needed > self.max_cached_tokens:
+        max_tokens = resolve_max_tokens(params, num_prompt_tokens, max_len)
+        needed = max_kv_slots_needed(num_prompt_tokens, max_tokens, max_len)
+        if needed > self.num_kv_cache_slots:
             raise ValueError(
                 f"the request may need {needed} tokens of KV cache (prompt {num_prompt_tokens} + "
-                f"max_tokens {max_tokens}), more than the whole cache holds ({self.max_cached_tokens}); "
+                f"max_tokens {max_tokens}), more than the whole cache holds ({self.num_kv_cache_slots}); "
                 "lower max_tokens or give the cache more memory"
             )

@@ -13,7 +13,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.num_registered_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, since start (exported as metrics): counted once per
         # admission (a request resumed after preemption is admitted, and counted, again).
         self.num_prefix_queries = 0
@@ -40,7 +40,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_registered_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
@@ -71,13 +71,13 @@ class KVCacheManager:
             if is_admission:
                 self.num_prefix_queries += request.num_tokens
                 self.num_prefix_hits += len(computed_blocks) * self.block_size
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            self._register_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so the tail is evicted before the prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.num_registered_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -85,20 +85,20 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
-        self.num_cached_blocks = {req_id: 0 for req_id in self.num_cached_blocks}
+        self.num_registered_blocks = {req_id: 0 for req_id in self.num_registered_blocks}
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that `num_tokens` fill. Their K/V is written this step, before any
         other request can read it (see Attention.forward)."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        start = self.num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
+            self.pool.register_block(blocks[i], request.block_hashes[i])
+        self.num_registered_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes over every full block of its known tokens."""

@@ -14,6 +14,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import render_chat
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
+from pagedserve.engine.outputs import FinishReason
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -110,7 +111,7 @@ class LLM:
             if progress:
                 progress.close()
         if self.llm_engine.is_dead:
-            num_aborted = sum(1 for r in results if r is not None and r.outputs[0].finish_reason == "abort")
+            num_aborted = sum(1 for r in results if r is not None and r.outputs[0].finish_reason == FinishReason.ABORT.value)
             raise EngineDeadError(f"{num_aborted} request(s) aborted: {self.llm_engine.dead_reason}")
         return results
 

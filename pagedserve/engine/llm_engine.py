@@ -139,7 +139,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = ModelRunnerOutput.empty()
         # An idle step still runs when requests ended, so the workers drop their state.
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids:
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
                 self._consecutive_failures = 0

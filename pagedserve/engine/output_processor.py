@@ -14,13 +14,27 @@ from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.outputs import EngineCoreOutput, TokenLogprobs
+from pagedserve.engine.outputs import EngineCoreOutput, FinishReason, TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def child_request_id(request_id: str, index: int) -> str:
     return f"{index}_{request_id}"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How one completion ended: the reason, and what stopped it when a stop condition did."""
+
+    reason: FinishReason
+    stop_token_id: int | None = None  # the one of stop_token_ids that ended it
+    stop_string: str | None = None  # the stop string found in its text
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's public `stop_reason`: the stop string or stop token id, whichever ended it."""
+        return self.stop_string if self.stop_string is not None else self.stop_token_id
 
 
 @dataclass
@@ -51,8 +65,8 @@ class RequestState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.num_sent_tokens = 0  # for DELTA outputs
 
-    def completion(self, finish_reason: str | None, stop_reason: int | str | None) -> CompletionOutput:
-        finished = finish_reason is not None
+    def completion(self, finish: Finish | None) -> CompletionOutput:
+        finished = finish is not None
         delta = self.params.output_kind == RequestOutputKind.DELTA
         start = self.num_sent_tokens if delta else 0
         self.num_sent_tokens = len(self.token_ids)
@@ -62,8 +76,8 @@ class RequestState:
             token_ids=self.token_ids[start:],
             cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs[start:] if self.logprobs is not None else None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
+            finish_reason=finish.reason.value if finished else None,
+            stop_reason=finish.stop_reason if finished else None,
         )
 
 
@@ -107,7 +121,7 @@ class OutputProcessor:
                 state = self.states.pop(child_id, None)
                 if state is not None:
                     child_ids.append(child_id)
-                    self.stats.record_finished("abort", now - state.parent.metrics.arrival_time)
+                    self.stats.record_finished(FinishReason.ABORT, now - state.parent.metrics.arrival_time)
             self.parents.pop(request_id, None)
         return child_ids
 
@@ -117,8 +131,8 @@ class OutputProcessor:
         for child_id in child_ids:
             state = self.states.pop(child_id, None)
             if state is not None:
-                self.stats.record_finished("abort", time.monotonic() - state.parent.metrics.arrival_time)
-                output = self._make_output(state, "abort", None, 0)
+                self.stats.record_finished(FinishReason.ABORT, time.monotonic() - state.parent.metrics.arrival_time)
+                output = self._make_output(state, Finish(FinishReason.ABORT), 0)
                 if output is not None:
                     outputs.append(output)
         return outputs
@@ -131,27 +145,29 @@ class OutputProcessor:
             state = self.states.get(out.req_id)
             if state is None:
                 continue
-            finish_reason, stop_reason = self._update(state, out, now)
-            if finish_reason == "stop" and isinstance(stop_reason, str) and out.finish_reason is None:
+            finish = self._update(state, out, now)
+            if finish is not None and finish.stop_string is not None and out.finish_reason is None:
                 stopped_by_string.append(out.req_id)
-            if finish_reason is not None:
+            if finish is not None:
                 del self.states[out.req_id]
-                self.stats.record_finished(finish_reason, now - state.parent.metrics.arrival_time)
-            request_output = self._make_output(state, finish_reason, stop_reason, out.num_cached_tokens)
+                self.stats.record_finished(finish.reason, now - state.parent.metrics.arrival_time)
+            request_output = self._make_output(state, finish, out.num_cached_tokens)
             if request_output is not None:
                 request_outputs.append(request_output)
         return request_outputs, stopped_by_string
 
-    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> tuple[str | None, int | str | None]:
+    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> Finish | None:
         self._record_token_times(state, out, now)
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and state.logprobs is not None:
             self._append_logprobs(state, out.new_logprobs)
-        stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        stop_terminated = out.finish_reason == FinishReason.STOP
         stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
-        if stop_string is not None:
-            return "stop", stop_string  # a stop string wins over a length cap in the same token
-        return out.finish_reason, out.stop_reason
+        if stop_string is not None:  # a stop string wins over a length cap in the same token
+            return Finish(FinishReason.STOP, stop_string=stop_string)
+        if out.finish_reason is None:
+            return None
+        return Finish(out.finish_reason, stop_token_id=out.stop_token_id)
 
     def _record_token_times(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
         metrics, stats = state.parent.metrics, self.stats
@@ -184,14 +200,14 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason: int | str | None, num_cached: int) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finish: Finish | None, num_cached: int) -> RequestOutput | None:
         parent = state.parent
         parent.num_cached_tokens = max(parent.num_cached_tokens, num_cached)
-        finished = finish_reason is not None
+        finished = finish is not None
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        completion = state.completion(finish_reason, stop_reason)
+        completion = state.completion(finish)
         if finished:
             parent.completions[state.index] = completion
         if kind == RequestOutputKind.FINAL_ONLY:

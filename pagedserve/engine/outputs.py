@@ -7,9 +7,19 @@ for the rest, because this is sent to every worker every iteration.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended. Its value is vLLM's string, which the public outputs
+    (`CompletionOutput.finish_reason`) and the metrics' `finished_reason` label carry."""
+
+    STOP = "stop"  # an EOS token, one of stop_token_ids, or a stop string
+    LENGTH = "length"  # max_tokens, or max_model_len
+    ABORT = "abort"  # the caller gave up on it, or the engine could not run it
 
 
 @dataclass
@@ -18,10 +28,10 @@ class NewRequestData:
     a worker restart (then `token_ids` includes the outputs so far and `num_computed_tokens` is
     whatever the prefix cache supplied)."""
 
-    req_id: str
+    req_id: str  # the scheduler's id (a child's id when the user asked for n > 1)
     token_ids: list[int]  # prompt + output tokens known so far
     num_prompt_tokens: int  # penalties treat prompt and output tokens differently
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # sent once; the workers keep it for the sampler
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
 
@@ -30,7 +40,7 @@ class NewRequestData:
 class CachedRequestData:
     """Diffs for requests the workers already hold, as parallel lists (cheaper to pickle)."""
 
-    req_ids: list[str] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)  # the other lists are parallel to it
     # Tokens appended since the workers last saw the request (the token sampled last step).
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended to its table
@@ -44,16 +54,26 @@ class CachedRequestData:
 class SchedulerOutput:
     """One step: which requests run and how many tokens each computes."""
 
+    # Requests the workers hold no state for: sent whole.
     scheduled_new_reqs: list[NewRequestData]
+    # Requests the workers already hold: only what changed since their last step.
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
-    total_num_scheduled_tokens: int
-    # Requests whose worker state must be dropped: finished, aborted or preempted since last step.
+    total_num_scheduled_tokens: int  # their sum: 0 means the workers only drop state
+    # Requests that ended (finished, stopped or aborted) since the last step: workers drop them.
     finished_req_ids: set[str]
+    # Requests preempted this step (blocks freed, to be recomputed): workers drop their state
+    # too, and the request comes back later in scheduled_new_reqs.
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+    @property
+    def dropped_req_ids(self) -> set[str]:
+        """Every request whose worker state goes: the finished and the preempted ones."""
+        return self.finished_req_ids | self.preempted_req_ids
 
 
 @dataclass
@@ -70,7 +90,7 @@ class ModelRunnerOutput:
     """What the sampling rank returns: one token for each request that reached the end of its
     known tokens this step (a partial prefill chunk samples nothing)."""
 
-    req_ids: list[str]
+    req_ids: list[str]  # the requests that sampled, in the batch's order
     sampled_token_ids: list[int]  # parallel to req_ids
     logprobs: dict[str, TokenLogprobs] | None = None  # only requests that asked for them
 
@@ -81,12 +101,15 @@ class ModelRunnerOutput:
 
 @dataclass
 class EngineCoreOutput:
-    """The scheduler's news about one request after a step (engine-internal)."""
+    """The scheduler's news about one request after a step (engine-internal: the output
+    processor turns it into a user-facing output)."""
 
-    req_id: str
-    new_token_ids: list[int]
-    new_logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | str | None = None  # the stop token id (or, later, stop string)
+    req_id: str  # the scheduler's id (a child's id when the user asked for n > 1)
+    new_token_ids: list[int]  # tokens sampled this step
+    new_logprobs: TokenLogprobs | None = None  # for new_token_ids, if the request asked
+    finish_reason: FinishReason | None = None  # set once the scheduler ended it
+    # The one of stop_token_ids that ended it (an EOS token leaves it None). Stop strings are
+    # found later, by the output processor's detokenizer.
+    stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute

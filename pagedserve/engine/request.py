@@ -10,7 +10,22 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedserve.engine.outputs import FinishReason
 from pagedserve.sampling_params import SamplingParams
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's `max_tokens`, or when it names none, whatever room `max_model_len` leaves
+    (at least one token)."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return max(max_model_len - num_prompt_tokens, 1)
+
+
+def max_kv_slots_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The most tokens a request can ever hold in the KV cache: its last token is sampled, never
+    computed, and it stops at max_model_len."""
+    return min(num_prompt_tokens + max_tokens - 1, max_model_len)
 
 
 class RequestStatus(enum.IntEnum):
@@ -27,14 +42,14 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -57,13 +72,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        requested = sampling_params.max_tokens
-        self.max_tokens = max(max_model_len - len(prompt_token_ids), 1) if requested is None else requested
-        # The most tokens this request can ever hold in the KV cache: its last token is sampled,
-        # never computed, and it stops at max_model_len.
-        self.max_cached_tokens = min(len(prompt_token_ids) + self.max_tokens - 1, max_model_len)
-        self.stop_reason: int | str | None = None
-        self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache on first schedule
+        self.max_tokens = resolve_max_tokens(sampling_params, len(prompt_token_ids), max_model_len)
+        self.stop_token_id: int | None = None  # the one of stop_token_ids that ended it
+        # Prompt tokens hit in the prefix cache when first scheduled; None until then (a request
+        # resumed after preemption keeps its first count).
+        self.num_cached_tokens: int | None = None
         self.first_scheduled_time: float | None = None  # for the queue-time metric
         self.num_preemptions = 0
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].

@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # a FinishReason value ("stop", "length" or "abort") once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

@@ -41,7 +41,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool,
     ):
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -49,7 +49,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running
-        self.finished_req_ids: set[str] = set()  # workers drop these at the next step
+        # Workers drop these requests' state at the next step (see SchedulerOutput).
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._preempted_this_step = False
 
@@ -77,12 +79,14 @@ class Scheduler:
 
     def requeue_after_worker_loss(self) -> None:
         """The workers and their KV caches are gone: every running request goes back to the
-        waiting queue (in arrival order) to be recomputed from its tokens, and no cached prefix
+        waiting queue (in arrival order) to be recomputed from its tokens, and no prefix-cache block
         can be trusted any more."""
         while self.running:
             self._requeue(self.running.pop())
-        self.kv.reset_prefix_cache()
-        self.finished_req_ids.clear()  # the new workers hold no state to drop
+        self.kv_cache_manager.reset_prefix_cache()
+        # The new workers hold no state to drop.
+        self.finished_req_ids.clear()
+        self.preempted_req_ids.clear()
 
     def unfinished_request_ids(self) -> list[str]:
         return [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
@@ -104,7 +108,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
+        diffs = CachedRequestData()  # for the running requests, which the workers hold
 
         self._preempted_this_step = False
         index = 0
@@ -117,23 +121,23 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._add_cached(cached, request, new_blocks)
+            self._add_diff(diffs, request, new_blocks)
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens is None:  # first scheduled (not resumed)
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -142,7 +146,9 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(new_reqs, cached, num_scheduled, self.max_num_batched_tokens - budget, finished)
+        preempted, self.preempted_req_ids = self.preempted_req_ids, set()
+        total = self.max_num_batched_tokens - budget
+        return SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
@@ -169,8 +175,8 @@ class Scheduler:
                     [token_id],
                     logprobs.get(req_id),
                     request.status.finish_reason,
-                    request.stop_reason,
-                    max(request.num_cached_tokens, 0),
+                    request.stop_token_id,
+                    request.num_cached_tokens,  # set when it was first scheduled
                     request.first_scheduled_time,
                 )
             )
@@ -184,7 +190,7 @@ class Scheduler:
         """Blocks for the request, preempting the newest running requests until they fit.
         None if the request had to preempt itself."""
         while True:
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -200,15 +206,15 @@ class Scheduler:
 
     def _requeue(self, request: Request) -> None:
         """Free the request's blocks and send it back to recompute from its tokens."""
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.finished_req_ids.add(request.request_id)  # its next schedule resends it whole
+        self.preempted_req_ids.add(request.request_id)  # its next schedule resends it whole
         # Requests go back newest first, each to the front: the queue keeps arrival order.
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -222,7 +228,7 @@ class Scheduler:
         if token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
+            request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
 
@@ -233,13 +239,13 @@ class Scheduler:
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
-            block_ids=self.kv.get_block_ids(request.request_id),
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _add_cached(self, cached: CachedRequestData, request: Request, new_blocks: list) -> None:
-        cached.req_ids.append(request.request_id)
-        cached.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
+    def _add_diff(self, diffs: CachedRequestData, request: Request, new_blocks: list) -> None:
+        diffs.req_ids.append(request.request_id)
+        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
         request.num_tokens_on_workers = request.num_tokens
-        cached.new_block_ids.append([block.block_id for block in new_blocks])
-        cached.num_computed_tokens.append(request.num_computed_tokens)
+        diffs.new_block_ids.append([block.block_id for block in new_blocks])
+        diffs.num_computed_tokens.append(request.num_computed_tokens)

@@ -108,7 +108,7 @@ class ModelRunner:
         return hidden
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.finished_req_ids:
+        for req_id in scheduler_output.dropped_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(

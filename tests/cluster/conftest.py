@@ -47,11 +47,14 @@ def wait_until(predicate, timeout: float, interval: float = 0.05):
 
 
 def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics' samples by (name, sorted labels), summed over the `replica` label (PromQL's
+    `sum without (replica)`): a server exports one series per replica."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(f"{base_url}/metrics", timeout=10).text
-    values = {}
+    values: dict[tuple[str, tuple], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "replica"))
+            values[(sample.name, labels)] = values.get((sample.name, labels), 0.0) + sample.value
     return values

@@ -1,16 +1,21 @@
-"""The metrics hub sums replicas' statistics and renders valid Prometheus text."""
+"""The metrics hub exports each replica's statistics as its own series, in valid Prometheus text
+rendered by prometheus_client."""
 
 from __future__ import annotations
+
+import pickle
+from dataclasses import fields
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.metrics_hub import MetricsHub
-from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.metrics import TTFT_BUCKETS, EngineStats
+from pagedserve.engine.outputs import FinishReason
 
 
 def stats(tokens: int, running: int, usage: float) -> EngineStats:
     s = EngineStats(generation_tokens_total=tokens, num_requests_running=running, kv_cache_usage_perc=usage)
-    s.record_finished("stop", 0.7)
+    s.record_finished(FinishReason.STOP, 0.7)
     s.time_to_first_token_seconds.observe(0.03)
     s.time_to_first_token_seconds.observe(3.0)
     return s
@@ -24,22 +29,39 @@ def samples(text: str) -> dict:
     }
 
 
-def test_replicas_are_summed_per_model():
+def series(model: str, replica: str, **labels: str) -> tuple:
+    return tuple(sorted({"model_name": model, "replica": replica, **labels}.items()))
+
+
+def test_each_replica_is_its_own_series():
     hub = MetricsHub()
     hub.report("m", "r1", stats(5, 2, 0.5))
     hub.report("m", "r2", stats(7, 1, 0.25))
     hub.report("m", "r1", stats(6, 0, 0.0))  # a newer snapshot replaces the replica's older one
     hub.report("other", "r3", stats(1, 1, 1.0))
     values = samples(hub.render())
-    m = (("model_name", "m"),)
-    assert values[("pagedserve:generation_tokens_total", m)] == 13
-    assert values[("pagedserve:num_requests_running", m)] == 1
-    assert values[("pagedserve:kv_cache_usage_perc", m)] == 0.125  # the mean, not the sum
-    assert values[("pagedserve:request_success_total", (("finished_reason", "stop"), *m))] == 2
-    assert values[("pagedserve:time_to_first_token_seconds_count", m)] == 4
-    assert values[("pagedserve:time_to_first_token_seconds_bucket", (("le", "0.04"), *m))] == 2
-    assert values[("pagedserve:time_to_first_token_seconds_bucket", (("le", "+Inf"), *m))] == 4
-    assert values[("pagedserve:generation_tokens_total", (("model_name", "other"),))] == 1
+    assert values[("pagedserve:generation_tokens_total", series("m", "r1"))] == 6
+    assert values[("pagedserve:generation_tokens_total", series("m", "r2"))] == 7
+    assert values[("pagedserve:generation_tokens_total", series("other", "r3"))] == 1
+    assert values[("pagedserve:num_requests_running", series("m", "r1"))] == 0
+    assert values[("pagedserve:kv_cache_usage_perc", series("m", "r2"))] == 0.25
+    assert values[("pagedserve:request_success_total", series("m", "r2", finished_reason="stop"))] == 1
+    assert values[("pagedserve:time_to_first_token_seconds_count", series("m", "r1"))] == 2
+    assert values[("pagedserve:time_to_first_token_seconds_sum", series("m", "r1"))] == 3.03
+    assert values[("pagedserve:time_to_first_token_seconds_bucket", series("m", "r1", le="0.04"))] == 1
+    assert values[("pagedserve:time_to_first_token_seconds_bucket", series("m", "r1", le="+Inf"))] == 2
+    bounds = [dict(labels)["le"] for name, labels in values if name.endswith("first_token_seconds_bucket") and ("replica", "r1") in labels]
+    assert bounds == [str(bound) for bound in TTFT_BUCKETS] + ["+Inf"]  # vLLM's bounds
+    assert not any(name.endswith("_created") for name, _ in values)
+
+
+def test_every_field_of_engine_stats_is_exported_with_its_kind():
+    hub = MetricsHub()
+    hub.report("m", "r", stats(1, 0, 0.0))
+    families = {family.name: family.type for family in text_string_to_metric_families(hub.render())}
+    for spec in fields(EngineStats):
+        name = "pagedserve:" + spec.name.removesuffix("_total")
+        assert families.get(name) == spec.metadata["kind"], name
 
 
 def test_stale_replicas_keep_counters_but_not_gauges(monkeypatch):
@@ -49,13 +71,31 @@ def test_stale_replicas_keep_counters_but_not_gauges(monkeypatch):
     hub.report("m", "gone", stats(9, 3, 0.5))
     now = hub_module.time.monotonic()
     monkeypatch.setattr(hub_module.time, "monotonic", lambda: now + hub_module.STALE_AFTER_S + 1)
+    hub.report("m", "live", stats(2, 1, 0.5))
     values = samples(hub.render())
-    assert values[("pagedserve:generation_tokens_total", (("model_name", "m"),))] == 9
-    assert values[("pagedserve:num_requests_running", (("model_name", "m"),))] == 0
+    assert values[("pagedserve:generation_tokens_total", series("m", "gone"))] == 9
+    assert values[("pagedserve:time_to_first_token_seconds_count", series("m", "gone"))] == 2
+    assert ("pagedserve:num_requests_running", series("m", "gone")) not in values
+    assert values[("pagedserve:num_requests_running", series("m", "live"))] == 1
 
 
 def test_label_values_are_escaped():
     hub = MetricsHub()
     hub.report('we"ird\\name', "r", stats(1, 0, 0.0))
     values = samples(hub.render())
-    assert values[("pagedserve:generation_tokens_total", (("model_name", 'we"ird\\name'),))] == 1
+    assert values[("pagedserve:generation_tokens_total", series('we"ird\\name', "r"))] == 1
+
+
+def test_a_snapshot_survives_pickling_and_does_not_follow_later_recording():
+    live = stats(3, 1, 0.5)
+    snapshot = live.copy()
+    live.time_to_first_token_seconds.observe(0.002)
+    live.record_finished(FinishReason.ABORT, 1.0)
+    shipped = pickle.loads(pickle.dumps(snapshot))
+    assert shipped.request_success_total == {"stop": 1}
+    [family] = shipped.time_to_first_token_seconds.collect()
+    values = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert values[("time_to_first_token_seconds_count", None)] == 2
+    assert values[("time_to_first_token_seconds_sum", None)] == 3.03
+    assert values[("time_to_first_token_seconds_bucket", "0.04")] == 1
+    assert values[("time_to_first_token_seconds_bucket", "0.005")] == 0  # the later 0.002 stayed live

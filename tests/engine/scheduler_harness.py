@@ -88,7 +88,7 @@ class FakeWorker:
         return ModelRunnerOutput(req_ids, sampled)
 
     def _update_states(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids:
+        for req_id in out.dropped_req_ids:
             self.states.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent in full while the worker holds it"
@@ -122,10 +122,10 @@ def run_to_completion(sched: Scheduler, worker: FakeWorker, max_steps: int = 100
 
 
 def assert_no_leak(sched: Scheduler) -> None:
-    pool = sched.kv.pool
+    pool = sched.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
-    assert not any(sched.kv.req_to_blocks.values())
+    assert not any(sched.kv_cache_manager.req_to_blocks.values())
 
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput, num_preemptions_before: int) -> None:
@@ -136,7 +136,7 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, num_preemptions_bef
     assert len(sched.running) <= sched.max_num_seqs
     new_ids = [new.req_id for new in out.scheduled_new_reqs]
     assert sorted(new_ids + out.scheduled_cached_reqs.req_ids) == sorted(scheduled)
-    assert not set(new_ids) & out.finished_req_ids  # never dropped and re-sent in one step
+    assert not set(new_ids) & out.dropped_req_ids  # never dropped and re-sent in one step
     if new_ids:  # waiting requests only get what running ones left, and never after a preemption
         assert all(r.request_id in scheduled for r in sched.running)
         assert sched.num_preemptions_total == num_preemptions_before
@@ -155,14 +155,14 @@ def _check_queues(sched: Scheduler, scheduled: dict[str, int]) -> None:
     for request in sched.running:
         assert request.num_computed_tokens + scheduled.get(request.request_id, 0) <= request.num_tokens
     for request in sched.waiting:
-        assert request.num_computed_tokens == 0 and not sched.kv.get_block_ids(request.request_id)
+        assert request.num_computed_tokens == 0 and not sched.kv_cache_manager.get_block_ids(request.request_id)
     # Arrival order: running requests started in arrival order and all arrived before any waiting one.
     arrivals = [r.arrival_time for r in sched.running] + [r.arrival_time for r in sched.waiting]
     assert arrivals == sorted(arrivals)
 
 
 def _check_blocks(sched: Scheduler, scheduled: dict[str, int]) -> None:
-    kv, pool = sched.kv, sched.kv.pool
+    kv, pool = sched.kv_cache_manager, sched.kv_cache_manager.pool
     owners: dict[int, list[tuple[Request, int]]] = {}
     for request in sched.running:
         blocks = kv.req_to_blocks.get(request.request_id, [])
@@ -176,7 +176,7 @@ def _check_blocks(sched: Scheduler, scheduled: dict[str, int]) -> None:
         assert block.ref_cnt == len(users) >= 0
         assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
         if block.block_hash is not None:
-            assert pool.cached[block.block_hash] is block
+            assert pool.registered_blocks[block.block_hash] is block
         if len(users) > 1:  # only a prefix-cached block at the same place in each prompt
             assert block.block_hash is not None
             assert all(r.block_hashes[i] == block.block_hash for r, i in users)

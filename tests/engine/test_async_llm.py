@@ -56,6 +56,8 @@ def test_concurrent_streams_match_offline(async_llm, expected):
 
 
 def test_leaving_early_aborts_the_request(async_llm):
+    num_aborted_before = async_llm.engine.stats.request_success_total.get("abort", 0)
+
     async def run():
         stream = async_llm.generate("Hello", SamplingParams(max_tokens=200, ignore_eos=True), "leaver")
         async for _ in stream:
@@ -69,7 +71,7 @@ def test_leaving_early_aborts_the_request(async_llm):
         time.sleep(0.01)
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_total_blocks
-    assert async_llm.stats().request_success_total.get("abort", 0) >= 1
+    assert engine.stats.request_success_total.get("abort", 0) == num_aborted_before + 1
 
 
 def test_bad_input_and_duplicate_ids(async_llm):

@@ -122,24 +122,24 @@ def test_tail_blocks_freed_first_are_evicted_before_the_prefix():
     req_blocks = pool.allocate(3)  # ids 0, 1, 2; ids 3, 4 stay free
     hashes = _chain([[1] * 4, [2] * 4, [3] * 4])
     for block, h in zip(req_blocks, hashes):
-        pool.cache_block(block, h)
+        pool.register_block(block, h)
     pool.free(reversed(req_blocks))  # as KVCacheManager.free does
     assert _free_ids(pool) == [3, 4, 2, 1, 0]
     # Three allocations take the never-used blocks, then the request's tail.
     assert [b.block_id for b in pool.allocate(3)] == [3, 4, 2]
-    assert pool.get_cached_block(hashes[2]) is None
+    assert pool.get_registered_block(hashes[2]) is None
     # The prefix survives: a later request with the same start still finds it.
-    assert pool.get_cached_block(hashes[0]) is req_blocks[0]
-    assert pool.get_cached_block(hashes[1]) is req_blocks[1]
+    assert pool.get_registered_block(hashes[0]) is req_blocks[0]
+    assert pool.get_registered_block(hashes[1]) is req_blocks[1]
 
 
 def test_freed_cached_block_can_be_found_and_revived():
     pool = BlockPool(3)
     (block,) = pool.allocate(1)
     h = hash_block_tokens(None, [7, 7, 7, 7])
-    pool.cache_block(block, h)
+    pool.register_block(block, h)
     pool.free([block])
-    assert pool.get_cached_block(h) is block  # ref 0 but its K/V is still valid
+    assert pool.get_registered_block(h) is block  # ref 0 but its K/V is still valid
     assert block.block_hash == h
     pool.touch([block])
     assert block.ref_cnt == 1
@@ -147,20 +147,20 @@ def test_freed_cached_block_can_be_found_and_revived():
     assert pool.num_free_blocks == 2
     # Being revived, it is never handed out by allocate: only the other two are.
     assert {b.block_id for b in pool.allocate(2)} == {1, 2}
-    assert pool.get_cached_block(h) is block
+    assert pool.get_registered_block(h) is block
 
 
 def test_eviction_removes_the_hash():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
     h = hash_block_tokens(None, [3, 1, 4, 1])
-    pool.cache_block(block, h)
+    pool.register_block(block, h)
     pool.free([block])
     # Block 1 was free before block 0 was freed, so block 0 is evicted second.
     assert [b.block_id for b in pool.allocate(2)] == [1, 0]
-    assert pool.get_cached_block(h) is None
+    assert pool.get_registered_block(h) is None
     assert block.block_hash is None
-    assert pool.cached == {}
+    assert pool.registered_blocks == {}
 
 
 def test_revived_then_refreed_block_goes_to_the_back_again():
@@ -172,30 +172,30 @@ def test_revived_then_refreed_block_goes_to_the_back_again():
     assert _free_ids(pool) == [1, 2, 0]
 
 
-# ---- cache_block and reset ------------------------------------------------------------------
+# ---- register_block and reset ------------------------------------------------------------------
 
 
 def test_cache_block_registers_the_hash():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
     h = hash_block_tokens(None, [1, 2, 3, 4])
-    pool.cache_block(block, h)
+    pool.register_block(block, h)
     assert block.block_hash == h
-    assert pool.get_cached_block(h) is block
+    assert pool.get_registered_block(h) is block
 
 
 def test_cache_block_with_an_already_registered_hash_keeps_the_first():
     pool = BlockPool(3)
     first, second = pool.allocate(2)
     h = hash_block_tokens(None, [5, 5, 5, 5])
-    pool.cache_block(first, h)
-    pool.cache_block(second, h)  # a request computed the same block at the same time
-    assert pool.get_cached_block(h) is first
+    pool.register_block(first, h)
+    pool.register_block(second, h)  # a request computed the same block at the same time
+    assert pool.get_registered_block(h) is first
     assert second.block_hash is None
     # Freeing and evicting the anonymous duplicate must not drop the first one's entry.
     pool.free([second])
     pool.allocate(2)  # block 2, then the duplicate
-    assert pool.get_cached_block(h) is first
+    assert pool.get_registered_block(h) is first
     assert first.block_hash == h
 
 
@@ -203,29 +203,29 @@ def test_cache_block_on_an_already_hashed_block_keeps_its_hash():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
     h1, h2 = hash_block_tokens(None, [1] * 4), hash_block_tokens(None, [2] * 4)
-    pool.cache_block(block, h1)
-    pool.cache_block(block, h2)
+    pool.register_block(block, h1)
+    pool.register_block(block, h2)
     assert block.block_hash == h1
-    assert pool.get_cached_block(h2) is None
+    assert pool.get_registered_block(h2) is None
 
 
 def test_reset_prefix_cache_forgets_every_hash_but_keeps_references():
     pool = BlockPool(3)
     in_use, freed = pool.allocate(2)
     h_in_use, h_freed = hash_block_tokens(None, [1] * 4), hash_block_tokens(None, [2] * 4)
-    pool.cache_block(in_use, h_in_use)
-    pool.cache_block(freed, h_freed)
+    pool.register_block(in_use, h_in_use)
+    pool.register_block(freed, h_freed)
     pool.free([freed])
     pool.reset_prefix_cache()
-    assert pool.get_cached_block(h_in_use) is None
-    assert pool.get_cached_block(h_freed) is None
+    assert pool.get_registered_block(h_in_use) is None
+    assert pool.get_registered_block(h_freed) is None
     assert in_use.block_hash is None and freed.block_hash is None
     assert in_use.ref_cnt == 1
     assert _free_ids(pool) == [2, 1]
     # A block can be registered again afterwards.
-    pool.cache_block(in_use, h_in_use)
-    assert pool.get_cached_block(h_in_use) is in_use
+    pool.register_block(in_use, h_in_use)
+    assert pool.get_registered_block(h_in_use) is in_use
 
 
 def test_repr_names_the_block():
-    assert repr(KVCacheBlock(3, ref_cnt=2)) == "KVCacheBlock(3, ref_cnt=2, cached=False)"
+    assert repr(KVCacheBlock(3, ref_cnt=2)) == "KVCacheBlock(3, ref_cnt=2, registered=False)"

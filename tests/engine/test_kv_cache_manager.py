@@ -89,7 +89,7 @@ def test_caching_disabled_never_hits_nor_registers():
     kv = KVCacheManager(8, BS, enable_caching=False)
     _compute(kv, _request("a", range(12)))
     assert kv.get_computed_blocks(_request("b", range(13))) == ([], 0)
-    assert kv.pool.cached == {}
+    assert kv.pool.registered_blocks == {}
     assert kv.num_prefix_queries == 0
 
 
@@ -140,7 +140,7 @@ def test_allocate_counts_revived_hit_blocks_against_free_blocks():
     assert len(hits) == 2 and new_blocks is None
     assert kv.pool.num_free_blocks == 4  # nothing was touched
     assert [blk.ref_cnt for blk in hits] == [0, 0]
-    assert all(kv.pool.get_cached_block(blk.block_hash) is blk for blk in hits)
+    assert all(kv.pool.get_registered_block(blk.block_hash) is blk for blk in hits)
     # 16 tokens need 2 new blocks: exactly what is left after reviving the hits.
     c = _request("c", list(range(8)) + list(range(30, 38)))
     hits, num_hit_tokens, new_blocks = _admit(kv, c)
@@ -178,8 +178,8 @@ def test_blocks_are_registered_as_they_fill():
         _compute(kv, a, 1)
     # The second block filled with prompt and output tokens: its hash chains the first.
     assert blocks[1].block_hash == hash_block_tokens(h0, [5, 6, 7, 8])
-    assert kv.pool.get_cached_block(blocks[1].block_hash) is blocks[1]
-    assert kv.num_cached_blocks["a"] == 2
+    assert kv.pool.get_registered_block(blocks[1].block_hash) is blocks[1]
+    assert kv.num_registered_blocks["a"] == 2
 
 
 def test_chunked_prefill_registers_only_blocks_this_chunk_fills():
@@ -215,7 +215,7 @@ def test_free_returns_every_block_tail_first():
     kv.free(a)
     assert kv.pool.num_free_blocks == 4
     assert list(kv.pool.free_queue) == [3, 2, 1, 0]  # the prefix is evicted last
-    assert kv.get_block_ids("a") == [] and "a" not in kv.num_cached_blocks
+    assert kv.get_block_ids("a") == [] and "a" not in kv.num_registered_blocks
 
 
 def test_freed_blocks_are_reused_by_a_request_with_the_same_prefix():
@@ -240,7 +240,7 @@ def test_reset_prefix_cache_then_running_blocks_register_again():
     a = _request("a", range(8))
     _compute(kv, a)
     kv.reset_prefix_cache()
-    assert kv.pool.cached == {} and kv.num_cached_blocks == {"a": 0}
+    assert kv.pool.registered_blocks == {} and kv.num_registered_blocks == {"a": 0}
     assert kv.get_computed_blocks(_request("b", range(9)))[1] == 0
     a.append_output_token_id(8)
     _compute(kv, a, 1)  # the next allocation registers a's full blocks again

@@ -5,6 +5,7 @@ fake worker checks the K/V each request attends over, so each test covers those 
 
 from __future__ import annotations
 
+from pagedserve.engine.outputs import FinishReason
 from pagedserve.engine.request import RequestStatus
 from tests.engine.scheduler_harness import (
     EOS,
@@ -46,7 +47,7 @@ def test_prefill_then_one_token_per_step_then_freed():
     out, core = step(sched, worker)
     assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == []
     out, core = step(sched, worker)
-    assert [(c.new_token_ids, c.finish_reason) for c in core] == [([13], "length")]
+    assert [(c.new_token_ids, c.finish_reason) for c in core] == [([13], FinishReason.LENGTH)]
     assert not sched.has_unfinished_requests()
     assert sched.schedule().finished_req_ids == {"a"}  # workers drop it at the next step
     assert_no_leak(sched)
@@ -150,7 +151,7 @@ def test_prefix_hit_skips_computed_tokens():
     core = sched.update_from_output(out, worker.execute(out))
     assert new.block_ids[:2] == [0, 1]  # a's freed blocks, revived
     assert core[0].num_cached_tokens == 8
-    assert sched.kv.num_prefix_hits == 8
+    assert sched.kv_cache_manager.num_prefix_hits == 8
 
 
 def test_prefix_stats_count_a_request_blocked_for_several_steps_once():
@@ -162,7 +163,7 @@ def test_prefix_stats_count_a_request_blocked_for_several_steps_once():
     outs = run_to_completion(sched, worker)
     assert outs[4].scheduled_new_reqs[0].req_id == "b"  # looked up, and refused, in the 4 steps before
     # ...but the hit rate must count each admitted request once.
-    assert (sched.kv.num_prefix_queries, sched.kv.num_prefix_hits) == (8 + 5 + 9, 8)
+    assert (sched.kv_cache_manager.num_prefix_queries, sched.kv_cache_manager.num_prefix_hits) == (8 + 5 + 9, 8)
 
 
 def test_prefix_shared_by_running_requests_is_computed_once():
@@ -172,7 +173,7 @@ def test_prefix_shared_by_running_requests_is_computed_once():
     sched.add_request(make_request("b", shared + [62], max_tokens=5))
     out, _ = step(sched, worker)  # b's lookup runs after a's blocks were registered
     assert out.num_scheduled_tokens == {"a": 9, "b": 1}
-    blocks_a, blocks_b = sched.kv.req_to_blocks["a"], sched.kv.req_to_blocks["b"]
+    blocks_a, blocks_b = sched.kv_cache_manager.req_to_blocks["a"], sched.kv_cache_manager.req_to_blocks["b"]
     assert blocks_a[:2] == blocks_b[:2] and blocks_a[2] is not blocks_b[2]
     assert [b.ref_cnt for b in blocks_a[:2]] == [2, 2]
     run_to_completion(sched, worker)
@@ -198,10 +199,10 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     out, _ = step(sched, worker)
     b = next(r for r in sched.waiting if r.request_id == "b")
     assert out.num_scheduled_tokens == {"a": 1}  # no admission after a preemption, not even c
-    assert "b" in out.finished_req_ids  # workers drop b's state
+    assert out.preempted_req_ids == {"b"} and not out.finished_req_ids  # workers drop b's state
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
-    assert sched.kv.get_block_ids("b") == [] and sched.kv.pool.num_free_blocks == 1
+    assert sched.kv_cache_manager.get_block_ids("b") == [] and sched.kv_cache_manager.pool.num_free_blocks == 1
     assert sched.num_preemptions_total == 1
 
 
@@ -249,7 +250,7 @@ def test_preemption_takes_the_newest_first_and_keeps_arrival_order():
     # r0 preempts r3 for a block, then r1 preempts r2.
     assert out.num_scheduled_tokens == {"r0": 1, "r1": 1}
     assert [r.request_id for r in sched.waiting] == ["r2", "r3"]
-    assert {"r2", "r3"} <= out.finished_req_ids
+    assert out.preempted_req_ids == {"r2", "r3"} and not out.finished_req_ids
     run_to_completion(sched, worker)
     assert_no_leak(sched)
 
@@ -258,8 +259,8 @@ def test_the_newest_request_preempts_itself_when_nothing_newer_is_left():
     sched, worker = _one_block_requests(num_blocks=3, num_requests=2)
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"r0": 1}  # r0 took the last free block
-    assert [r.request_id for r in sched.waiting] == ["r1"] and "r1" in out.finished_req_ids
-    assert sched.kv.pool.num_free_blocks == 1  # r1's block came back
+    assert [r.request_id for r in sched.waiting] == ["r1"] and out.preempted_req_ids == {"r1"}
+    assert sched.kv_cache_manager.pool.num_free_blocks == 1  # r1's block came back
     run_to_completion(sched, worker)
     assert_no_leak(sched)
 
@@ -320,16 +321,16 @@ def _finish(req_id="a", tokens=(), prompt_len=4, max_model_len=128, **params):
 def test_eos_stops_unless_ignore_eos():
     request = _finish(tokens=[5, EOS, 6], max_tokens=10)
     assert request.output_token_ids == [5, EOS]
-    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
+    assert (request.status, request.stop_token_id) == (RequestStatus.FINISHED_STOPPED, None)
     request = _finish(tokens=[5, EOS, 6], max_tokens=4, ignore_eos=True)
     assert request.output_token_ids == [5, EOS, 6, FILLER]
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def test_stop_token_id_stops_with_a_stop_reason():
+def test_stop_token_id_stops_and_is_reported():
     request = _finish(tokens=[5, 99, 6], max_tokens=10, stop_token_ids=[99])
     assert request.output_token_ids == [5, 99]
-    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, 99)
+    assert (request.status, request.stop_token_id) == (RequestStatus.FINISHED_STOPPED, 99)
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids():
@@ -355,5 +356,5 @@ def test_finished_output_reports_reason_and_frees_blocks_at_once():
     sched, worker = make_scheduler(), _scripted({"a": [99]})
     sched.add_request(make_request("a", prompt(0, 5), stop_token_ids=[99]))
     _, core = step(sched, worker)
-    assert [(c.finish_reason, c.stop_reason) for c in core] == [("stop", 99)]
+    assert [(c.finish_reason, c.stop_token_id) for c in core] == [(FinishReason.STOP, 99)]
     assert_no_leak(sched)  # freed in update_from_output, not at the next schedule

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.request import Request, RequestStatus, max_kv_slots_needed
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.scheduler_harness import EOS, FakeWorker, assert_no_leak, check_invariants, make_scheduler
 
@@ -34,7 +35,7 @@ def _config(rng: random.Random) -> dict:
     )
 
 
-def _requests(rng: random.Random, num_cached_tokens: int) -> list[Request]:
+def _requests(rng: random.Random, num_kv_cache_slots: int) -> list[Request]:
     prefixes = [[rng.choice(VOCAB) for _ in range(32)] for _ in range(2)]
     requests, num_requests = [], rng.randint(4, 16)
     while len(requests) < num_requests:
@@ -43,7 +44,7 @@ def _requests(rng: random.Random, num_cached_tokens: int) -> list[Request]:
         prompt = shared + [rng.choice(VOCAB) for _ in range(length - len(shared))]
         max_tokens = rng.randint(1, 20)
         # The input processor rejects a request that could outgrow the whole cache.
-        if min(length + max_tokens - 1, MAX_MODEL_LEN) > num_cached_tokens:
+        if max_kv_slots_needed(length, max_tokens, MAX_MODEL_LEN) > num_kv_cache_slots:
             continue
         params = dict(
             max_tokens=max_tokens,
@@ -69,7 +70,7 @@ class _Client:
 
     def __init__(self, requests: list[Request]):
         self.streamed: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        self.reasons: dict[str, str] = {}
+        self.reasons: dict[str, FinishReason] = {}
         self.aborted: set[str] = set()
 
     def receive(self, core_outputs) -> None:
@@ -111,7 +112,7 @@ def _run(seed: int) -> dict:
         _check_outcome(request, client)
     return dict(
         preemptions=sched.num_preemptions_total,
-        hits=sched.kv.num_prefix_hits,
+        hits=sched.kv_cache_manager.num_prefix_hits,
         aborts=len(client.aborted),
         steps=num_steps,
     )
@@ -130,15 +131,15 @@ def _check_outcome(request: Request, client: _Client) -> None:
     # No token that could have stopped the request was let through.
     assert not any(t in stop_ids for t in outputs[max(params.min_tokens - 1, 0) : -1]), request
     assert request.num_output_tokens <= request.max_tokens and request.num_tokens <= MAX_MODEL_LEN
-    if reason == "length":
+    if reason == FinishReason.LENGTH:
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert request.num_output_tokens == request.max_tokens or request.num_tokens == MAX_MODEL_LEN
     else:
-        assert reason == "stop" and request.status == RequestStatus.FINISHED_STOPPED, (request, reason)
+        assert reason == FinishReason.STOP and request.status == RequestStatus.FINISHED_STOPPED, (request, reason)
         assert outputs[-1] in stop_ids
         assert request.num_output_tokens >= params.min_tokens
-        expected_stop_reason = None if outputs[-1] in request.eos_token_ids else outputs[-1]
-        assert request.stop_reason == expected_stop_reason
+        expected_stop_token_id = None if outputs[-1] in request.eos_token_ids else outputs[-1]
+        assert request.stop_token_id == expected_stop_token_id
 
 
 def test_random_workloads_keep_every_invariant():

@@ -9,12 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig
-from pagedserve.kernels import get_attention_backend, reference, triton_attention, triton_cache
-from pagedserve.workers.cuda_graphs import MAX_CAPTURE_SIZE, DecodeBuffers, capture_sizes, graphs_enabled, padded_size
-from tests.kernels.conftest import DEVICE
-from tests.kernels.paged_batch import make_batch
+# First: it switches Triton to its interpreter on a CPU machine, which must happen before any
+# kernel module is imported (they are decorated at import).
+from tests.kernels.conftest import DEVICE  # isort: skip
+
+pytest.importorskip("triton")  # in the test extra only where it has wheels (x86-64 Linux)
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.kernels import get_attention_backend, reference, triton_attention, triton_cache  # noqa: E402
+from pagedserve.workers.cuda_graphs import MAX_CAPTURE_SIZE, DecodeBuffers, capture_sizes, graphs_enabled, padded_size  # noqa: E402
+from tests.kernels.paged_batch import make_batch  # noqa: E402
 
 
 def test_capture_sizes():

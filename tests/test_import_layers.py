@@ -1,0 +1,200 @@
+"""Data flows one way: cluster -> engine -> workers -> kernels, with config and sampling_params
+at the bottom (see DESIGN.md, "Data flows one way"). Every `import` in pagedserve/ is read from
+the AST, at module level and inside functions alike (a function-level import is a dependency
+too, only a later one), and checked against the layer it may reach.
+
+The rules:
+- a module may import its own layer and any layer below it, never one above;
+- kernels import nothing of the project outside kernels;
+- workers may import of the engine only its boundary types (ENGINE_BOUNDARY);
+- the bottom layer imports only the bottom layer, and config.py only leaves: bottom modules that
+  import nothing of the project themselves (config describes; it neither resolves models nor
+  starts Ray).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "pagedserve"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# Layers, top first. A module's layer is its first name under pagedserve; top-level modules not
+# named here are in no layer, which the test reports (a new module must be placed on purpose).
+ENTRY = "entry"  # what people run or import first: it may import anything, nothing imports it
+LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "bottom"]
+ENTRY_MODULES = {"pagedserve", "pagedserve.cli", "pagedserve.cli_args"}
+
+# The bottom layer, by name: every layer may import these. Each is here for a reason.
+BOTTOM_MODULES = {
+    "pagedserve.config",  # pydantic models for every knob: describes, resolves nothing
+    "pagedserve.sampling_params",  # a request's parameters
+    "pagedserve.demo",  # builds the demo checkpoint on disk; model resolution uses it
+    # Planned by other branches of issue 12 (the config-as-a-leaf moves): Ray start-up helpers
+    # that the cluster and the workers share, and model-name -> checkpoint resolution.
+    "pagedserve.ray_env",
+    "pagedserve.model_resolver",
+}
+
+# The engine's types that cross the engine <-> worker boundary: the only engine modules workers
+# may import. (When engine/outputs.py is split into the scheduler's and the runner's outputs,
+# name the new files here.)
+ENGINE_BOUNDARY = {"pagedserve.engine.outputs"}
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # the imported module, e.g. "pagedserve.engine.outputs"
+    line: int
+    in_function: str | None  # the enclosing function's name for a function-level import
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_package(name: str) -> bool:
+    return (ROOT.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def project_imports(source: str, name: str, is_pkg: bool = False) -> list[Import]:
+    """Every import of a pagedserve module in `source` (the module `name`), wherever it sits.
+    `from pkg import sub` counts as importing `pkg.sub` when `sub` is a module."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Import):
+                found.extend(Import(a.name, child.lineno, function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = _absolute(child, name, is_pkg)
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    found.append(Import(sub if is_module(sub) else base, child.lineno, function))
+            visit(child, inner)
+
+    visit(ast.parse(source), None)
+    return [i for i in found if i.target == PACKAGE or i.target.startswith(PACKAGE + ".")]
+
+
+def _absolute(node: ast.ImportFrom, name: str, is_pkg: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = name.split(".") if is_pkg else name.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def layer_of(name: str) -> str | None:
+    if name in ENTRY_MODULES:
+        return ENTRY
+    if name in BOTTOM_MODULES:
+        return "bottom"
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[1] in LAYERS:
+        return parts[1]
+    return None
+
+
+def is_leaf(name: str) -> bool:
+    """A module that imports nothing of the project (one that does not exist yet counts: the
+    check then falls to its own file once it is written)."""
+    path = _path_of(name)
+    return path is None or not project_imports(path.read_text(), name, path.name == "__init__.py")
+
+
+def _path_of(name: str) -> Path | None:
+    path = ROOT.parent / name.replace(".", "/")
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def violation(importer: str, imported: Import) -> str | None:
+    """Why `importer` may not import `imported.target`, or None when it may."""
+    target = imported.target
+    mine, theirs = layer_of(importer), layer_of(target)
+    if mine is None:
+        return f"{importer} is in no layer: place it in tests/test_import_layers.py"
+    if theirs is None:
+        return f"{target} is in no layer: place it in tests/test_import_layers.py"
+    if mine == ENTRY or (mine == "workers" and target in ENGINE_BOUNDARY):
+        return None
+    if mine == "workers" and theirs == "engine":
+        return f"workers may import of the engine only its boundary types {sorted(ENGINE_BOUNDARY)}, not {target}"
+    if LAYERS.index(theirs) < LAYERS.index(mine):
+        return f"imports upward: {mine} may not import {theirs} ({target})"
+    if mine == "kernels" and theirs != "kernels":
+        return f"kernels import nothing of the project, not {target}"
+    if importer == "pagedserve.config" and not is_leaf(target):
+        return f"config may import only leaves (modules that import nothing of the project), not {target}"
+    return None
+
+
+def violations(path: Path) -> list[str]:
+    name = module_name(path)
+    found = []
+    for imported in project_imports(path.read_text(), name, path.name == "__init__.py"):
+        reason = violation(name, imported)
+        if reason is not None:
+            where = f" (inside {imported.in_function}())" if imported.in_function else ""
+            found.append(f"{path.relative_to(ROOT.parent)}:{imported.line}{where}: {reason}")
+    return found
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(ROOT.parent)) for p in FILES])
+def test_imports_respect_the_layers(path):
+    found = violations(path)
+    assert not found, "\n" + "\n".join(found)
+
+
+# ---- the checker itself ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "importer, source, fragment",
+    [
+        ("pagedserve.workers.worker", "def f():\n    from pagedserve.engine.scheduler import Scheduler\n", "boundary types"),
+        ("pagedserve.workers.worker", "from pagedserve.cluster import app\n", "imports upward"),
+        ("pagedserve.kernels.reference", "import pagedserve.config\n", "kernels import nothing"),
+        ("pagedserve.config", "def f():\n    from pagedserve.demo import ensure_demo_model\n", "only leaves"),
+        ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
+        ("pagedserve.sampling_params", "from pagedserve.engine import outputs\n", "imports upward"),
+    ],
+)
+def test_the_checker_catches(importer, source, fragment):
+    reasons = [violation(importer, i) for i in project_imports(source, importer)]
+    assert any(r is not None and fragment in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    "importer, source",
+    [
+        ("pagedserve.workers.worker", "from pagedserve.engine.outputs import SchedulerOutput\n"),
+        ("pagedserve.workers.worker", "from pagedserve.engine import outputs\n"),
+        ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
+        ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
+        ("pagedserve.engine.scheduler", "from .request import Request\n"),
+        ("pagedserve.cli", "from pagedserve.cluster.launcher import serve_forever\n"),
+    ],
+)
+def test_the_checker_allows(importer, source):
+    imports = project_imports(source, importer)
+    assert imports and [violation(importer, i) for i in imports] == [None] * len(imports)
