@@ -97,6 +97,7 @@ def test_rogue_client_gets_nothing(ray_cluster, model_dirs, hf_references, rogue
     def listen_and_let_the_rogue_in_first(host: str) -> socket.socket:
         """The rogue's bytes wait in the listener's queue before any worker is told to connect."""
         server = listen(host)
+        assert server.getsockname()[0] == "127.0.0.1"  # every rank runs on this node
         channel_ports.append(server.getsockname()[1])
         assert rogue.wait_until_attacked(channel_ports[-1]), "the rogue never found the step channel"
         return server
