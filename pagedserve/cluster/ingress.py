@@ -120,11 +120,11 @@ async def _bounded_body(receive: Any, headers: dict[str, str], limit: int) -> An
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
-        if message["type"] != "http.request":  # the client went away mid-body
-            chunks = None
+        if message["type"] != "http.request":  # the client went away mid-body: pass that on
             first = message
             break
         chunks.append(message.get("body", b""))
