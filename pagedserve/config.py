@@ -145,9 +145,10 @@ class ServerConfig(BaseModel):
     )
     graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
     stream_interval_ms: float = Field(
-        50.0,
+        0.0,
         ge=0,
-        description="A stream's tokens go out in one chunk at most this often (first and last at once); 0: every token.",
+        description="A stream's tokens that pile up while one chunk is sent go out merged in the next; an idle "
+        "stream's go out at once. >0: also wait this long after each chunk (fewer, larger chunks).",
     )
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.cluster.llm_server import ErrorInfo
+from pagedserve.cluster.llm_server import ErrorInfo, overloaded
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, describe_validation_error
@@ -70,7 +70,8 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _validation_error(items: list[dict[str, Any]]) -> APIError:
@@ -119,11 +120,11 @@ async def _bounded_body(receive: Any, headers: dict[str, str], limit: int) -> An
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
-        if message["type"] != "http.request":  # the client went away mid-body
-            chunks = None
+        if message["type"] != "http.request":  # the client went away mid-body: pass that on
             first = message
             break
         chunks.append(message.get("body", b""))
@@ -155,6 +156,7 @@ class ServeEngineClient:
         self.handle = handle.options(stream=True)
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
+        from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
         responses = self.handle.generate.remote(request_id, prompt, params)
@@ -162,7 +164,10 @@ class ServeEngineClient:
             async for item in responses:
                 yield item
         except BackPressureError:
-            yield ErrorInfo(503, "the server is overloaded: too many requests are queued; retry later", "ServiceUnavailableError")
+            yield overloaded("the server is overloaded: too many requests are queued; retry later")
+        except RayActorError as error:  # the replica's process died (a crash, a lost node)
+            logger.warning("request %s lost its LLMServer replica: %s", request_id, type(error).__name__)
+            yield overloaded("the engine replica serving this request died; retry later")
         finally:
             responses.cancel()  # a client that went away: the replica aborts the request
 

@@ -9,15 +9,15 @@ hub, which sums the replicas for /metrics.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.config import ServerConfig
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.engine.metrics import EngineStats
@@ -27,6 +27,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_REPORT_INTERVAL_S = 1.0
+RETRY_AFTER_S = 1  # what an overloaded server tells clients (the Retry-After header)
 
 
 @dataclass
@@ -37,6 +38,11 @@ class ErrorInfo:
     message: str
     type: str = "BadRequestError"
     param: str | None = None
+    retry_after_s: int | None = None  # an overload: the client may retry after this long
+
+
+def overloaded(message: str) -> ErrorInfo:
+    return ErrorInfo(503, message, "ServiceUnavailableError", retry_after_s=RETRY_AFTER_S)
 
 
 class LLMServer:
@@ -70,26 +76,26 @@ class LLMServer:
                 await outputs.aclose()
         except ValueError as error:
             yield ErrorInfo(400, str(error))
+        except EngineOverloadedError as error:
+            yield overloaded(str(error))
         except EngineDeadError as error:
             yield ErrorInfo(503, f"the engine is not running: {error}", "ServiceUnavailableError")
 
     async def _batched(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Stream items cost the Serve path far more than tokens cost the engine, so a stream's
-        deltas are merged and sent at most every `stream_interval_ms` (the first at once, for
-        time to first token, and the last at once). Items after the first leave the prompt out:
-        the ingress already has it."""
-        pending: RequestOutput | None = None
-        last_sent: float | None = None
+        """Stream items cost the Serve path far more than tokens cost the engine, so deltas that
+        pile up while the previous item is being sent go out merged (AsyncLLM's stream folds
+        them), while an idle stream's token goes out at once. `stream_interval_ms` > 0 also
+        waits that long after each item, merging more. Items after the first leave the prompt
+        out: the ingress already has it."""
+        is_first = True
         try:
             async for output in outputs:
-                if pending is None:
-                    pending = output if last_sent is None else dataclasses.replace(output, prompt=None, prompt_token_ids=[], metrics=None)
-                else:
-                    pending.merge_delta(output)
-                now = time.monotonic()
-                if last_sent is None or pending.finished or now - last_sent >= self.stream_interval_s:
-                    yield pending
-                    pending, last_sent = None, now
+                if not is_first:
+                    output = dataclasses.replace(output, prompt=None, prompt_token_ids=[], metrics=None)
+                is_first = False
+                yield output
+                if self.stream_interval_s and not output.finished:
+                    await asyncio.sleep(self.stream_interval_s)
         finally:
             await outputs.aclose()
 

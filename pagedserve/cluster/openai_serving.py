@@ -24,16 +24,19 @@ from pagedserve.sampling_params import SamplingParams
 class APIError(Exception):
     """An error to send in OpenAI's shape: {"error": {"message", "type", "code", "param"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None):
+    def __init__(
+        self, status: int, message: str, type: str = "BadRequestError", param: str | None = None, retry_after_s: int | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
+        self.retry_after_s = retry_after_s  # sent as the Retry-After header
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param}}
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> APIError:
-        return cls(info.status, info.message, info.type, info.param)
+        return cls(info.status, info.message, info.type, info.param, info.retry_after_s)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.input_processor import ProcessedPrompt, PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
@@ -29,30 +29,77 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.2
+SHUTDOWN_REASON = "the engine is shutting down"
+
+
+class EngineOverloadedError(RuntimeError):
+    """More engine requests wait for a slot than `max_waiting_requests` allows: retry later."""
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    processed: ProcessedPrompt
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _AbortCommand:
+    request_id: str
 
 
 @dataclass
 class _Stream:
+    """One request's outputs on their way to its caller, bounded: whatever the caller has not
+    read yet is folded into one pending item (DELTA outputs merge; a CUMULATIVE or final output
+    replaces the one before), so a caller that stops reading holds one output, not one per step.
+    `put` is called from the loop thread; the folding runs on the caller's event loop."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    kind: RequestOutputKind
+    pending: deque = field(default_factory=deque)  # at most a RequestOutput, then an error
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._fold, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+    def _fold(self, item: RequestOutput | BaseException) -> None:
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BaseException):
+            return  # the stream already ended with an error
+        if isinstance(item, RequestOutput) and last is not None:
+            if self.kind == RequestOutputKind.DELTA:
+                last.merge_delta(item)
+            else:
+                self.pending[-1] = item
+        else:
+            self.pending.append(item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self.pending:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.pending.popleft()
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement_group: Any = None):
         """`placement_group`: a Ray Serve replica's, for the workers (see Executor.create)."""
         self.engine = LLMEngine(config, placement_group)
+        self.config = config
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[_AddCommand | _AbortCommand] = deque()
+        self._num_queued_children = 0  # engine requests (n each) of add commands not applied yet
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopping = False
+        self._step_started: float | None = None  # set by the loop thread while a step runs
         self._stats = self.engine.stats_snapshot()  # refreshed by the loop thread
         self._stats_time = 0.0
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine-loop", daemon=True)
@@ -70,40 +117,44 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self.engine.is_dead
+        return self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (None while it can): an error, shutdown, a dead worker
+        group, or a step that has run longer than `step_timeout_s` (a wedged worker)."""
         if self._error is not None:
             return str(self._error)
+        if self._stopping:
+            return SHUTDOWN_REASON
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.config.step_timeout_s:
+            return f"an engine step has been running for {time.monotonic() - started:.0f} s (step_timeout_s={self.config.step_timeout_s:g})"
         return self.engine.dead_reason or (None if self._thread.is_alive() else "the engine loop has stopped")
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Bad input raises ValueError before the
-        first output; leaving the iteration early (a client that went away) aborts the request."""
+        first output; a full waiting queue raises EngineOverloadedError; a dead or stopping
+        engine raises EngineDeadError (also mid-stream). Leaving the iteration early (a client
+        that went away) aborts the request."""
         self._raise_if_dead()
+        if sampling_params.n > self.config.max_n:
+            raise ValueError(f"n={sampling_params.n} exceeds the engine's max_n={self.config.max_n}")
         processed = self.engine.input_processor.process(prompt, sampling_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), sampling_params.output_kind)
         with self._lock:
-            if self._error is not None:  # the loop died after the check above: nobody would answer
-                raise self._error
+            self._raise_if_dead()  # the loop died or shutdown began after the check above
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            self._admit(sampling_params.n)
             self._streams[request_id] = stream
-            self._commands.append(("add", request_id, processed, sampling_params, time.monotonic()))
+            self._commands.append(_AddCommand(request_id, processed, sampling_params, time.monotonic()))
+            self._num_queued_children += sampling_params.n
             self._wakeup.notify()
         finished = False
-        merge = sampling_params.output_kind == RequestOutputKind.DELTA
         try:
             while not finished:
-                item = await stream.queue.get()
-                # Deltas that piled up while the caller was busy go out as one.
-                while merge and not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
-                    later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        item = later
-                        break
-                    item.merge_delta(later)
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -117,15 +168,22 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
-            self._commands.append(("abort", request_id))
-            self._wakeup.notify()
+            if not self._stopping:
+                self._commands.append(_AbortCommand(request_id))
+                self._wakeup.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """End every open stream with EngineDeadError at once (later calls fail at once too),
+        wait for the loop thread to leave a running step, then release the workers. A step
+        still running after `timeout` (wedged) does not hold the shutdown up forever."""
         with self._lock:
             self._stopping = True
             self._wakeup.notify()
+        self._end_streams(EngineDeadError(SHUTDOWN_REASON))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("an engine step is still running after %.0f s; releasing the workers under it", timeout)
         self.engine.shutdown()
 
     def stats(self) -> EngineStats:
@@ -133,8 +191,20 @@ class AsyncLLM:
         return self._stats
 
     def _raise_if_dead(self) -> None:
-        if not self.is_healthy:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        reason = self.dead_reason
+        if reason is not None:
+            raise self._error if isinstance(self._error, EngineDeadError) else EngineDeadError(reason)
+
+    def _admit(self, num_children: int) -> None:
+        """Admission control (under the lock), counted in engine requests, n samples each."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        num_waiting = self.engine.scheduler.num_waiting + self._num_queued_children
+        if num_waiting + num_children > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {num_waiting} requests wait for the engine (max_waiting_requests={limit}); retry later"
+            )
 
     # ---- the loop thread -------------------------------------------------------------------
 
@@ -150,10 +220,16 @@ class AsyncLLM:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
+                    self._num_queued_children = 0
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._step_started = time.monotonic()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_started = None
+                    self._deliver(outputs)
                     self._refresh_stats()
                     if self.engine.is_dead:
                         raise EngineDeadError(self.engine.dead_reason)
@@ -168,15 +244,14 @@ class AsyncLLM:
             self._stats = self.engine.stats_snapshot()
             self._stats_time = now
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            self.engine.abort_request(command[1])
+    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+        if isinstance(command, _AbortCommand):
+            self.engine.abort_request(command.request_id)
             return
-        _, request_id, processed, params, arrival_time = command
         try:
-            self.engine.add_processed_request(request_id, processed, params, arrival_time)
+            self.engine.add_processed_request(command.request_id, command.processed, command.params, command.arrival_time)
         except Exception as error:  # reaches only this request's caller
-            stream = self._streams.get(request_id)
+            stream = self._streams.get(command.request_id)
             if stream is not None:
                 stream.put(error)
 
@@ -190,7 +265,11 @@ class AsyncLLM:
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             self._error = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine loop failed: {error!r}")
+        self._end_streams(self._error)
+
+    def _end_streams(self, error: EngineDeadError) -> None:
+        with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            stream.put(self._error)
+            stream.put(error)

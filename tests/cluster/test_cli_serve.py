@@ -1,15 +1,17 @@
-"""`pagedserve serve` as a user runs it: a subprocess that starts its own Ray, answers a chat
-request, and exits cleanly on SIGTERM."""
+"""`pagedserve serve` as a user runs it: a subprocess that starts its own Ray, requires the key
+from its key file, answers a chat request, and exits cleanly on SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 
 import openai
+import pytest
 import requests
 
 from tests.cluster.conftest import free_port, wait_until
@@ -17,8 +19,12 @@ from tests.cluster.conftest import free_port, wait_until
 
 def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
     port = free_port()
+    key = "sk-" + secrets.token_hex(12)
+    (tmp_path / "key").write_text(key)
     config = tmp_path / "server.yaml"
-    config.write_text(f"model: {model_dirs['llama']}\nserved_model_name: cli-llama\nengine: {{max_model_len: 128}}\n")
+    config.write_text(
+        f"model: {model_dirs['llama']}\nserved_model_name: cli-llama\napi_key_file: {tmp_path / 'key'}\nengine: {{max_model_len: 128}}\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = [sys.executable, "-m", "pagedserve.cli", "serve", "--config", str(config), "--port", str(port), "--max-model-len", "256"]
     log = open(tmp_path / "serve.log", "w+")
@@ -26,7 +32,10 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
     try:
         wait_until(lambda: _healthy(port) or process.poll() is not None, timeout=240, interval=1.0)
         assert process.poll() is None, _tail(log)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with_wrong_key = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            with_wrong_key.models.list()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(model="cli-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
         assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
         assert client.models.list().data[0].id == "cli-llama"  # the flag overrode nothing else
@@ -36,6 +45,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         assert time.monotonic() - started < 120
         output = _tail(log)
         assert "serving 'cli-llama'" in output and "curl http://127.0.0.1" in output and "pagedserve: stopped" in output
+        assert "Bearer $PAGEDSERVE_API_KEY" in output and key not in output
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

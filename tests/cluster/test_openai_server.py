@@ -289,3 +289,38 @@ def test_bad_bodies_are_openai_shaped_400s(base_url):
         assert len(response.text) < 2000  # a huge bad value is not echoed back
     missing = requests.get(f"{base_url}/v1/nothing-here", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+
+
+def test_limits_follow_the_engine(client):
+    """n (prompts x n for a prompt list) is capped by max_n, top_logprobs by max_logprobs."""
+    cases = [
+        (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, n=129), "n=129 exceeds the limit of max_n=128", "n"),
+        (lambda: client.completions.create(model=MODEL, prompt=["Hi"] * 5, max_tokens=1, n=26), "5 prompts x n=26 = 130", "n"),
+        (
+            lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=21),
+            "top_logprobs=21 exceeds the limit of max_logprobs=20",
+            "top_logprobs",
+        ),
+        (lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, n=0), "n", "n"),
+    ]
+    for call, fragment, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        assert fragment in info.value.body["message"] and info.value.body["param"] == param
+    within = client.completions.create(model=MODEL, prompt=["Hi"] * 4, max_tokens=1, n=32, temperature=1.0)
+    assert len(within.choices) == 128
+
+
+def test_request_body_size_is_limited(base_url):
+    """8 MiB by default (max_request_body_bytes): 413 whether the size is declared or the body
+    comes in chunks, and the server answers normally afterwards."""
+    big = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"a" * (9 * 1024**2) + b'"}'
+    declared = requests.post(f"{base_url}/v1/completions", data=big, headers={"content-type": "application/json"}, timeout=60)
+    chunked = requests.post(
+        f"{base_url}/v1/completions", data=(big[i : i + 65536] for i in range(0, len(big), 65536)), headers={"content-type": "application/json"}, timeout=60
+    )
+    for response in (declared, chunked):
+        assert response.status_code == 413 and "max_request_body_bytes=8388608" in response.json()["error"]["message"]
+    assert "content-length" not in chunked.request.headers  # it really was sent in chunks
+    ok = requests.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

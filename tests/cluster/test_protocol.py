@@ -46,7 +46,8 @@ def test_prompt_forms(prompt, expected):
         ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "bogus": 1}, "bogus"),
-        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),  # the upper limit is the engine's (RequestLimits)
+        ({"prompt": "x", "n": 0}, "n"),
         ({}, "prompt"),
     ],
 )
@@ -79,3 +80,18 @@ def test_tokenize_needs_exactly_one_input():
         TokenizeRequest(prompt="x", messages=[{"role": "user", "content": "y"}])
     with pytest.raises(ValidationError, match="exactly one"):
         TokenizeRequest()
+
+
+def test_request_limits():
+    from pagedserve.cluster.openai_serving import APIError, RequestLimits
+
+    limits = RequestLimits(max_n=8, max_logprobs=5)
+    limits.check(num_prompts=2, n=4, logprobs=5, logprobs_field="logprobs")  # at the limits: fine
+    for args, fragment, param in (
+        ((3, 3, None, "logprobs"), "3 prompts x n=3 = 9 exceeds the limit of max_n=8", "n"),
+        ((1, 9, None, "logprobs"), "n=9 exceeds the limit of max_n=8", "n"),
+        ((1, 1, 6, "top_logprobs"), "top_logprobs=6 exceeds the limit of max_logprobs=5", "top_logprobs"),
+    ):
+        with pytest.raises(APIError) as info:
+            limits.check(*args)
+        assert fragment in info.value.message and info.value.param == param and info.value.status == 400

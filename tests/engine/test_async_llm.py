@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pagedserve import LLM, AsyncLLM, SamplingParams
+from pagedserve.engine.async_llm import EngineOverloadedError
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.sampling_params import RequestOutputKind
 
@@ -132,3 +133,132 @@ def test_slow_consumer_gets_merged_deltas(async_llm):
     full = asyncio.run(collect(async_llm, "Once upon a time", sampling.clone(output_kind=RequestOutputKind.FINAL_ONLY), "fast"))
     assert full[-1].outputs[0].token_ids == tokens
     assert "".join(o.outputs[0].text for o in outputs) == full[-1].outputs[0].text
+
+
+# ---- shutdown, stalls, bounded streams, admission ---------------------------------------------
+
+
+def test_shutdown_ends_open_streams_and_waits_for_the_step(model_dirs):
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+    events: list[str] = []
+    step, engine_shutdown = llm.engine.step, llm.engine.shutdown
+
+    def slow_step():
+        events.append("step")
+        time.sleep(0.05)  # long enough that shutdown arrives during a step
+        outputs = step()
+        events.append("step done")
+        return outputs
+
+    llm.engine.step = slow_step
+    llm.engine.shutdown = lambda: (events.append("executor shutdown"), engine_shutdown())
+    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        streams = [llm.generate(p, long, f"s{i}") for i, p in enumerate(PROMPTS)]
+        for stream in streams:
+            await anext(stream)
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+
+        async def rest(stream):
+            async for _ in stream:
+                pass
+
+        return await asyncio.wait_for(asyncio.gather(*(rest(s) for s in streams), return_exceptions=True), timeout=30)
+
+    errors = asyncio.run(run())
+    assert all(isinstance(e, EngineDeadError) and "shutting down" in str(e) for e in errors), errors
+    # The executor went away only after the loop thread left its step.
+    assert events[-1] == "executor shutdown" and events[-2] == "step done", events[-4:]
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        asyncio.run(collect(llm, "Hello", SamplingParams(), "after"))
+    assert not llm.is_healthy
+
+
+@pytest.fixture(scope="module")
+def small_llm(model_dirs):
+    """One running request at a time, two waiting at most, and a short step timeout."""
+    llm = AsyncLLM.from_engine_args(
+        model=str(model_dirs["llama"]), max_model_len=256, max_num_seqs=1, max_waiting_requests=2, step_timeout_s=0.5, max_n=4
+    )
+    yield llm
+    llm.shutdown()
+
+
+def test_stalled_step_is_unhealthy(small_llm):
+    import threading
+
+    release, entered = threading.Event(), threading.Event()
+    step = small_llm.engine.step
+
+    def wedged_step():
+        entered.set()
+        release.wait(60)
+        return step()
+
+    small_llm.engine.step = wedged_step
+    try:
+        async def run():
+            stream = small_llm.generate("Hello", SamplingParams(max_tokens=2), "wedged")
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            deadline = time.monotonic() + 30
+            while small_llm.is_healthy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            reason = small_llm.dead_reason
+            release.set()
+            await first
+            await stream.aclose()
+            return reason
+
+        reason = asyncio.run(run())
+    finally:
+        small_llm.engine.step = step
+        release.set()
+    assert "step_timeout_s=0.5" in reason
+    assert small_llm.is_healthy  # the step ended: healthy again
+
+
+def test_slow_consumer_holds_one_pending_output(small_llm):
+    """A caller that stops reading for many steps then gets one output: the latest for
+    CUMULATIVE, all the tokens merged for DELTA (the stream holds no backlog)."""
+
+    async def pause_then_read(kind: RequestOutputKind, request_id: str) -> tuple[list, list]:
+        sampling = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=kind)
+        stream = small_llm.generate("Once upon a time", sampling, request_id)
+        first = [await anext(stream)]
+        deadline = time.monotonic() + 60
+        while small_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the event loop runs: outputs keep arriving, unread
+        return first, [output async for output in stream]
+
+    first, rest = asyncio.run(pause_then_read(RequestOutputKind.CUMULATIVE, "cumulative"))
+    assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 30
+    first, rest = asyncio.run(pause_then_read(RequestOutputKind.DELTA, "delta"))
+    assert len(rest) == 1 and rest[0].finished
+    assert len(first[0].outputs[0].token_ids + rest[0].outputs[0].token_ids) == 30
+
+
+def test_admission_counts_engine_requests(small_llm):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def run():
+        running = small_llm.generate("Hello", long, "running")
+        await anext(running)  # it holds the one running slot
+        waiting = small_llm.generate("Hello", long.clone(n=2), "waiting")  # two engine requests wait
+        pending = asyncio.ensure_future(anext(waiting))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
+            await collect(small_llm, "Hi", SamplingParams(max_tokens=2), "refused")
+        with pytest.raises(ValueError, match="max_n=4"):
+            await collect(small_llm, "Hi", SamplingParams(max_tokens=2, n=5), "too-many")
+        pending.cancel()  # the waiting request's caller goes away: it is aborted
+        await asyncio.gather(pending, return_exceptions=True)
+        await running.aclose()
+
+    asyncio.run(run())
+    engine = small_llm.engine
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_unfinished_requests() and small_llm.is_healthy
