@@ -15,6 +15,9 @@ After the run the server must be healthy and its KV cache empty (from /metrics).
 summary (calls, status codes and failures per operation and mode) goes to stdout and `--output`;
 the exit status is 1 when anything failed.
 
+    # start a server on the demo model in this process (Ray + Serve on a free port), fuzz it
+    python benchmarks/fuzz_http.py --max-examples 500 --output benchmarks/results/fuzz_http_cpu.json
+    # a running server
     python benchmarks/fuzz_http.py --url http://127.0.0.1:8000 --max-examples 2000
 """
 
@@ -43,7 +46,9 @@ IDLE_TIMEOUT_S = 60.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--url", help="a running server's base URL; default: start one in this process")
+    parser.add_argument("--model-path", default="demo", help="checkpoint folder or 'demo' (in-process server)")
+    parser.add_argument("--max-model-len", type=int, default=256, help="of the in-process server")
     parser.add_argument("--model", help="model name to put in bodies (default: the server's first)")
     parser.add_argument("--max-examples", type=int, default=1000, help="per operation and generation mode")
     parser.add_argument("--seed", type=int, default=0)
@@ -166,7 +171,12 @@ def _wait_for_empty_kv(session: requests.Session, base_url: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    summary = fuzz(args.url.rstrip("/"), args.max_examples, args.seed, args.model)
+    url = args.url
+    if url is None:
+        from soak import start_server  # a sibling script, as serving.py's backends are
+
+        url = start_server(args.model_path, {"max_model_len": args.max_model_len}, "fuzz")
+    summary = fuzz(url.rstrip("/"), args.max_examples, args.seed, args.model)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.output:

@@ -337,8 +337,9 @@ def _has_gpu() -> bool:
         return False
 
 
-def start_server(args: argparse.Namespace) -> str:
-    """Ray, Serve on a free port and the app on the given model, in this process; returns its URL."""
+def start_server(model_path: str, engine: dict, app_name: str) -> str:
+    """Ray, Serve on a free port and the app on the given model (`engine`: EngineConfig fields),
+    in this process; returns its URL. Also used by fuzz_http.py."""
     import ray
     from ray import serve
 
@@ -350,9 +351,7 @@ def start_server(args: argparse.Namespace) -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = {"max_model_len": args.max_model_len, "num_gpu_blocks_override": args.num_kv_blocks}
-    config = ServerConfig(model=args.model_path, engine=engine)
-    serve.run(build_app(config), name="soak", route_prefix="/")
+    serve.run(build_app(ServerConfig(model=model_path, engine=engine)), name=app_name, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -360,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     url = args.url
     if url is None:
-        url = start_server(args)
+        engine = {"max_model_len": args.max_model_len, "num_gpu_blocks_override": args.num_kv_blocks}
+        url = start_server(args.model_path, engine, "soak")
     elif os.environ.get("RAY_ADDRESS"):
         import ray
 
