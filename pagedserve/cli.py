@@ -56,7 +56,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("generate", help="complete prompts offline and print the results")
-    parser.add_argument("--model", default="demo", help="a local HF checkpoint folder, or 'demo' (default)")
+    parser.add_argument("--model", default="demo", help="a local HF folder, a .gguf file, a hub id, 'demo' (default) or 'tiny'")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: demo prompts")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)

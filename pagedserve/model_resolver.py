@@ -69,9 +69,12 @@ def resolve_model_path(model: str, revision: str | None = None, needs_weights: b
 
 
 def check_checkpoint_folder(path: Path, needs_weights: bool = True) -> Path:
-    if not (path / "config.json").is_file() and needs_weights:
+    """A folder only for its tokenizer needs nothing more; a model's needs config and weights."""
+    if not needs_weights:
+        return path
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder '{path}' has no config.json")
-    if needs_weights and not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(
             f"model folder '{path}' has no *.safetensors weights "
             "(PyTorch .bin checkpoints are not supported; a .gguf file is)"

@@ -104,3 +104,12 @@ def test_hub_id_missing_offline_says_how_to_get_it(tmp_path, monkeypatch):
 def test_unknown_model_lists_what_is_accepted(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a local folder, a .gguf file, a model hub id"):
         LLM(str(tmp_path / "nowhere" / "model"))
+
+
+def test_served_model_name_is_the_model_argument_as_given():
+    from pagedserve.config import ServerConfig
+
+    assert ServerConfig().model_name == "demo"
+    assert ServerConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert ServerConfig(model="/models/x.gguf").model_name == "/models/x.gguf"
+    assert ServerConfig(model="/models/x.gguf", served_model_name="small").model_name == "small"

@@ -221,13 +221,20 @@ def test_bad_sampling_params_name_the_field(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_request_that_can_never_fit_the_cache_is_rejected(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), max_model_len=256, num_gpu_blocks_override=4)  # 64 tokens
+def test_max_model_len_beyond_the_cache_is_an_error_when_asked_for(model_dirs):
+    with pytest.raises(ValueError, match=r"max_model_len=256 is more than the KV cache holds \(64 tokens\)"):
+        LLM(str(model_dirs["llama"]), max_model_len=256, num_gpu_blocks_override=4)
+
+
+def test_max_model_len_is_capped_to_the_cache_when_not_set(model_dirs):
+    """The model says 512 positions; 4 blocks hold 64 tokens: a long request ends at 64."""
+    llm = LLM(str(model_dirs["llama"]), num_gpu_blocks_override=4)
     try:
-        with pytest.raises(ValueError, match="more than the whole cache holds"):
-            llm.generate(["ok", "Hello"], [greedy(8), greedy(100)], use_tqdm=False)
+        assert llm.llm_engine.model_config.max_model_len == 64
+        output = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+        assert len(output.prompt_token_ids) + len(output.outputs[0].token_ids) == 64
+        assert output.outputs[0].finish_reason == "length"
         assert_idle(llm)
-        assert len(llm.generate("Hello", greedy(8), use_tqdm=False)[0].outputs[0].token_ids) == 8
     finally:
         llm.shutdown()
 
