@@ -1,9 +1,10 @@
 """Choosing an attention implementation: one signature per operation, several implementations.
 
 `torch` is the reference (the plain ground truth); `cpu` the fast CPU path of `cpu_attention`
-(tested against the reference; what `auto` picks on the CPU); `triton` the paged kernels of
+(tested against the reference; what `auto` picks on the CPU in half precision); `triton` the paged kernels of
 `triton_attention` (on CUDA, or on the CPU under TRITON_INTERPRET=1 for tests); `flash_attn`
-flash-attn's paged API where that package is installed. `auto` is Triton on CUDA, cpu on the CPU.
+flash-attn's paged API where that package is installed. `auto` is Triton on CUDA; on the CPU, cpu
+in half precision and the reference in float32.
 The non-reference backends are imported only when chosen, so a CPU install never needs them.
 """
 
@@ -43,7 +44,9 @@ def get_attention_backend(
         if device == "cuda":
             name = "triton" if _triton_installed() else "torch"
         else:
-            name = "cpu"
+            # Measured (benchmarks/cpu_kernels.py): the fused path wins in half precision, where
+            # the reference upcasts every K/V chunk; in float32 the reference's matmuls are faster.
+            name = "cpu" if dtype in (torch.bfloat16, torch.float16) else "torch"
     if name == "torch":
         return TORCH
     if name == "cpu":
