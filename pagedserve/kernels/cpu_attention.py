@@ -27,7 +27,7 @@ from pagedserve.kernels.reference import kv_cache_shape, paged_attention as refe
 
 __all__ = ["kv_cache_shape", "write_kv_cache", "paged_attention", "decode_row_groups", "gather_rows_kv"]
 
-DECODE_GROUP_BYTES = 16 * 1024**2
+DECODE_GROUP_BYTES = 4 * 1024**2  # fresh pages for larger gathers cost more than the calls saved (measured)
 # A group of rows may pad to its longest row as long as padding stays under this share of it.
 MAX_PADDING_FRACTION = 0.25
 
