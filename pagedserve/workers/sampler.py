@@ -71,9 +71,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Greedy rows cost an argmax; only the random rows are scaled, truncated and drawn from."""
-        tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return tokens
+            return logits.argmax(dim=-1)
         is_random = batch.temperature >= GREEDY_TEMPERATURE_EPS
         rows = is_random.nonzero().squeeze(1)
         row_ids = rows.tolist()
@@ -91,7 +90,7 @@ class Sampler:
         drawn = sample_inverse_cdf(probs, self._uniforms(row_ids, batch.seeds, probs.device))
         if every_row:
             return drawn
-        return tokens.index_copy_(0, rows, drawn)
+        return logits.argmax(dim=-1).index_copy_(0, rows, drawn)
 
     def _uniforms(self, row_ids: list[int], seeds: dict[int, int], device: torch.device) -> torch.Tensor:
         """One uniform in [0, 1) per random row: from the sampler's stream, or for a seeded row
