@@ -76,7 +76,7 @@ def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, fl
     if available < needed:
         raise ValueError(
             f"tensor_parallel_size x pipeline_parallel_size = {engine.world_size} per replica x {max(replicas, 1)} "
-            f"replica(s) needs {needed} {kind}s but the Ray cluster has {available:g}"
+            f"replica(s) needs {needed:g} {kind}s but the Ray cluster has {available:g}"
         )
     engine_args = {**config.engine, "distributed_executor_backend": "ray", "device": "cuda" if use_gpu else "cpu"}
     config = config.model_copy(update={"engine": engine_args})
