@@ -3,7 +3,8 @@ metrics hub.
 
 `build_app` is the Serve config's `import_path` (`pagedserve.cluster.app:build_app`): Serve calls
 it with the config's `args`, which are `ServerConfig` fields (engine arguments under `engine:` or
-flat). The LLMServer replicas get a placement group each: bundle 0 for the replica (one CPU), then
+flat). The LLMServer replicas get a placement group each: bundle 0 for the replica
+(`deployment.num_cpus`, default one CPU), then
 one bundle per TP x PP rank (a GPU each on a GPU cluster). A CPU-only, single-rank engine runs in
 the replica itself.
 """
@@ -14,7 +15,6 @@ from typing import Any
 
 from pagedserve.config import ServerConfig
 
-REPLICA_BUNDLE = {"CPU": 1}
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.
 INGRESS_MAX_ONGOING_REQUESTS = 10_000
@@ -39,14 +39,14 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         max_queued_requests=options.max_queued_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_s,
         health_check_period_s=5,
-        ray_actor_options={"num_cpus": REPLICA_BUNDLE["CPU"]},
+        ray_actor_options={"num_cpus": options.num_cpus},
     )
     if options.autoscaling_config is not None:
         server_options["autoscaling_config"] = options.autoscaling_config
     else:
         server_options["num_replicas"] = options.num_replicas
     if worker_bundles:
-        server_options["placement_group_bundles"] = [REPLICA_BUNDLE, *worker_bundles]
+        server_options["placement_group_bundles"] = [{"CPU": options.num_cpus}, *worker_bundles]
         server_options["placement_group_strategy"] = "PACK"
 
     hub = serve.deployment(
@@ -76,12 +76,12 @@ def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, fl
     replicas = config.deployment.num_replicas
     if config.deployment.autoscaling_config is not None:
         replicas = int(config.deployment.autoscaling_config.get("min_replicas", 1))
-    needed = engine.world_size * max(replicas, 1) + (REPLICA_BUNDLE["CPU"] * max(replicas, 1) if kind == "CPU" else 0)
+    needed = engine.world_size * max(replicas, 1) + (config.deployment.num_cpus * max(replicas, 1) if kind == "CPU" else 0)
     available = resources.get(kind, 0)
     if available < needed:
         raise ValueError(
             f"tensor_parallel_size x pipeline_parallel_size = {engine.world_size} per replica x {max(replicas, 1)} "
-            f"replica(s) needs {needed} {kind}s but the Ray cluster has {available:g}"
+            f"replica(s) needs {needed:g} {kind}s but the Ray cluster has {available:g}"
         )
     engine_args = {**config.engine, "distributed_executor_backend": "ray", "device": "cuda" if use_gpu else "cpu"}
     config = config.model_copy(update={"engine": engine_args})

@@ -1,8 +1,10 @@
 """Choosing an attention implementation: one signature per operation, several implementations.
 
-`torch` is the reference (the CPU path and the ground truth); `triton` the paged kernels of
+`torch` is the reference (the plain ground truth); `cpu` the fast CPU path of `cpu_attention`
+(tested against the reference; what `auto` picks on the CPU in half precision); `triton` the paged kernels of
 `triton_attention` (on CUDA, or on the CPU under TRITON_INTERPRET=1 for tests); `flash_attn`
-flash-attn's paged API where that package is installed. `auto` is Triton on CUDA, torch on the CPU.
+flash-attn's paged API where that package is installed. `auto` is Triton on CUDA; on the CPU, cpu
+in half precision and the reference in float32.
 The non-reference backends are imported only when chosen, so a CPU install never needs them.
 """
 
@@ -14,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_attention, reference
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class AttentionBackend:
 
 
 TORCH = AttentionBackend("torch", reference.kv_cache_shape, reference.write_kv_cache, reference.paged_attention)
+# The reference's cache layout and writer: only decode attention differs.
+CPU = AttentionBackend("cpu", reference.kv_cache_shape, reference.write_kv_cache, cpu_attention.paged_attention)
 # Backends whose kernels read lengths from device tensors only, so a CUDA graph can capture them.
 GRAPH_SAFE_BACKENDS = ("triton", "flash_attn")
 
@@ -37,14 +41,23 @@ def get_attention_backend(
     """The backend called `name` for a `device` ("cpu" or "cuda"); `block_size` and `dtype`, when
     given, are checked against what the backend supports, so a bad pairing fails at start-up."""
     if name == "auto":
-        name = "triton" if device == "cuda" and _triton_installed() else "torch"
+        if device == "cuda":
+            name = "triton" if _triton_installed() else "torch"
+        else:
+            # Measured (benchmarks/cpu_kernels.py): the fused path wins in half precision, where
+            # the reference upcasts every K/V chunk; in float32 the reference's matmuls are faster.
+            name = "cpu" if dtype in (torch.bfloat16, torch.float16) else "torch"
     if name == "torch":
         return TORCH
+    if name == "cpu":
+        if device != "cpu":
+            raise ValueError("attention_backend='cpu' runs on the CPU only; on CUDA use 'auto', 'triton' or 'flash_attn'")
+        return CPU
     if name == "triton":
         return _triton_backend(device)
     if name == "flash_attn":
         return _flash_attn_backend(device, block_size, dtype)
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, triton or flash_attn")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, cpu, triton or flash_attn")
 
 
 def _triton_installed() -> bool:

@@ -27,6 +27,9 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.block_size = engine_config.block_size
+        if device.type == "cpu" and engine_config.num_cpu_threads is not None:
+            # For the whole process: a CPU rank's process exists to run this model.
+            torch.set_num_threads(engine_config.num_cpu_threads)
         self.backend = get_attention_backend(
             engine_config.attention_backend, device.type, block_size=self.block_size, dtype=model_config.dtype
         )

@@ -2,10 +2,11 @@
 and logprobs.
 
 Logprobs come from the raw logits, before penalties, temperature and truncation (vLLM's default).
-Random rows sample by the exponential race, argmax(p / q) with q ~ Exp(1), which equals sampling
-from p. A seeded request draws its q from a generator seeded by (seed, output index): the token
-depends only on its own logits, seed and position, not on the batch it shares, nor on whether it
-was preempted or its worker restarted in between.
+Random rows sample by inverting their cumulative distribution at one uniform draw per row (no
+noise over the whole vocabulary); greedy rows cost an argmax and draw nothing. A seeded request
+draws its uniform from a generator seeded by (seed, output index): the token depends only on its own
+logits, seed and position, not on the batch it shares, nor on whether it was preempted or its worker
+restarted in between.
 """
 
 from __future__ import annotations
@@ -69,23 +70,49 @@ class Sampler:
         return SamplerOutput(sampled, *_gather_logprobs(raw_logprobs, sampled, batch.num_logprobs))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        """Greedy rows cost an argmax; only the random rows are scaled, truncated and drawn from."""
         if batch.all_greedy:
-            return greedy
-        is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS
-        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
-        logits = logits / temperature.unsqueeze(1)
+            return logits.argmax(dim=-1)
+        is_random = batch.temperature >= GREEDY_TEMPERATURE_EPS
+        rows = is_random.nonzero().squeeze(1)
+        row_ids = rows.tolist()
+        every_row = len(row_ids) == logits.shape[0]
+
+        def pick(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values if values is None or every_row else values[rows]
+
+        scaled = pick(logits) / pick(batch.temperature).unsqueeze(1)
         if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
+            scaled = apply_top_k_top_p(scaled, pick(batch.top_k), pick(batch.top_p))
+        probs = torch.softmax(scaled, dim=-1)
         if batch.min_p is not None:
-            probs = apply_min_p(probs, batch.min_p)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in batch.seeds.items():
-            row_generator = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row].exponential_(generator=row_generator)
-        random = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, random)
+            probs = apply_min_p(probs, pick(batch.min_p))
+        drawn = sample_inverse_cdf(probs, self._uniforms(row_ids, batch.seeds, probs.device))
+        if every_row:
+            return drawn
+        return logits.argmax(dim=-1).index_copy_(0, rows, drawn)
+
+    def _uniforms(self, row_ids: list[int], seeds: dict[int, int], device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per random row: from the sampler's stream, or for a seeded row
+        from its own generator, so its token depends on its seed and position alone."""
+        uniforms = torch.rand(len(row_ids), generator=self.generator, dtype=torch.float64, device=device)
+        for index, row in enumerate(row_ids):
+            if row in seeds:
+                row_generator = torch.Generator(device=device).manual_seed(seeds[row])
+                uniforms[index] = torch.rand(1, generator=row_generator, dtype=torch.float64, device=device)[0]
+        return uniforms
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token is the first whose cumulative probability passes uniforms[i] times the row's
+    total: one random number per row (not one per vocabulary entry), and a token of probability
+    zero can never be picked (its cumulative value equals its predecessor's)."""
+    cdf = probs.double().cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # Rounding may put a target at the very total: fall back to the last token that has mass.
+    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(tokens, last_with_mass)
 
 
 def step_seed(seed: int, output_index: int) -> int:

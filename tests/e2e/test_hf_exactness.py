@@ -49,7 +49,7 @@ def engine_vs_hf(llm: LLM, hf, prompts: list[str]) -> list:
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
     engine_args, prompts = CONFIGS[config_name]
-    llm = LLM(str(model_dirs[arch]), **{"max_model_len": 256, **engine_args})
+    llm = LLM(str(model_dirs[arch]), **{"max_model_len": 256, "dtype": "float32", **engine_args})
     try:
         engine_vs_hf(llm, hf_references[arch], prompts)
         if config_name == "forced_preemption":
@@ -62,7 +62,7 @@ def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_shared_prefix_hits_cache_on_second_run(arch, model_dirs, hf_references):
-    llm = LLM(str(model_dirs[arch]), max_model_len=256)
+    llm = LLM(str(model_dirs[arch]), max_model_len=256, dtype="float32")
     try:
         kv = llm.llm_engine.kv_cache_manager
         engine_vs_hf(llm, hf_references[arch], PREFIX_PROMPTS)
@@ -80,7 +80,7 @@ def test_shared_prefix_hits_cache_on_second_run(arch, model_dirs, hf_references)
 
 def test_prompts_sharing_a_prefix_in_one_batch(model_dirs, hf_references):
     """Requests in the same step may adopt prefix blocks that another of them is just filling."""
-    llm = LLM(str(model_dirs["llama"]), max_model_len=256, max_num_batched_tokens=64)
+    llm = LLM(str(model_dirs["llama"]), max_model_len=256, max_num_batched_tokens=64, dtype="float32")
     try:
         engine_vs_hf(llm, hf_references["llama"], PREFIX_PROMPTS * 2)
     finally:
@@ -91,7 +91,7 @@ def test_mixed_batch_of_token_id_prompts_and_lengths(model_dirs, hf_references, 
     """Prompt token ids straight in, lengths from 1 to 200 tokens, in one batch."""
     ids = tokenizer.encode(" ".join(PROMPTS) * 3)
     prompts = [{"prompt_token_ids": ids[:n]} for n in (1, 2, 15, 16, 17, 33, 64, 200)]
-    llm = LLM(str(model_dirs["qwen3"]), max_model_len=256, max_num_batched_tokens=100)
+    llm = LLM(str(model_dirs["qwen3"]), max_model_len=256, max_num_batched_tokens=100, dtype="float32")
     try:
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         for output, prompt in zip(outputs, prompts):

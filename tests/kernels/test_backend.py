@@ -9,9 +9,16 @@ from pagedserve.kernels import flash_attn, get_attention_backend, reference, tri
 from tests.kernels.conftest import DEVICE
 
 
-def test_auto_is_torch_on_cpu_and_triton_on_cuda():
-    assert get_attention_backend("auto", "cpu").name == "torch"
+def test_auto_is_cpu_in_half_precision_on_cpu_and_triton_on_cuda():
+    assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
+    assert get_attention_backend("auto", "cpu", dtype=torch.float32).name == "torch"
     assert get_attention_backend("auto", "cuda").name == "triton"
+    assert get_attention_backend("torch", "cpu").name == "torch"  # the reference stays selectable
+
+
+def test_cpu_backend_on_cuda_is_refused():
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        get_attention_backend("cpu", "cuda")
 
 
 def test_triton_shares_the_reference_cache_layout():

