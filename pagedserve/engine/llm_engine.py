@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_model_config
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.metrics import EngineStats
@@ -21,6 +21,7 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.executor import Executor, WorkerGroupError
 

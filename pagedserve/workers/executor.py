@@ -5,8 +5,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import torch
+
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:
+    """`device` ('auto', 'cpu' or 'cuda') made concrete. `has_gpu`: whether the ranks' machines
+    have a GPU (the Ray executor asks its cluster); by default whether this process sees one."""
+    if has_gpu is None:
+        has_gpu = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if device == "cuda" and not has_gpu:
+        raise ValueError(f"device='cuda' was asked for but no CUDA device is available {where}")
+    return device
 
 
 class WorkerGroupError(RuntimeError):
@@ -48,7 +62,7 @@ class Executor(ABC):
 
     @classmethod
     @abstractmethod
-    def resolve_device(cls, engine_config: EngineConfig) -> str:
+    def resolve_device(cls, engine_config: EngineConfig) -> str:  # see resolve_device() above
         """'cpu' or 'cuda': where this kind of executor would run the ranks. The executor decides
         because only it knows where they run (and the Ray one may have to start Ray to ask)."""
 

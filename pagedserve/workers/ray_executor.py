@@ -21,11 +21,11 @@ import socket
 import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_device
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
-from pagedserve.workers.executor import Executor, WorkerGroupError
+from pagedserve.workers.executor import Executor, WorkerGroupError, resolve_device
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_device
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedserve.workers.executor import Executor
+from pagedserve.workers.executor import Executor, resolve_device
 from pagedserve.workers.worker import Worker
 
 
