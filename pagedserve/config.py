@@ -251,6 +251,16 @@ class ModelConfig:
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
 
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where an engine's ranks go in a placement group made by someone else (a Serve replica's):
+    rank i in bundle `bundle_indices[i]`. Whoever makes the group decides its layout (cluster/app.py);
+    the executor takes the indices it is given."""
+
+    placement_group: Any  # a ray.util.placement_group.PlacementGroup
+    bundle_indices: tuple[int, ...]
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("PAGEDSERVE_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "pagedserve"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedserve.config import ServerConfig
 
-REPLICA_BUNDLE = {"CPU": 1}
+REPLICA_BUNDLE = {"CPU": 1}  # bundle 0 of a replica's placement group: the replica itself
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.
 INGRESS_MAX_ONGOING_REQUESTS = 10_000
@@ -45,14 +45,17 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         server_options["autoscaling_config"] = options.autoscaling_config
     else:
         server_options["num_replicas"] = options.num_replicas
+    worker_bundle_indices: tuple[int, ...] = ()
     if worker_bundles:
+        # The one place the layout is decided: the replica, then its ranks in order.
         server_options["placement_group_bundles"] = [REPLICA_BUNDLE, *worker_bundles]
         server_options["placement_group_strategy"] = "PACK"
+        worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))
 
     hub = serve.deployment(
         MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
     ).bind()
-    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub)
+    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub, worker_bundle_indices)
     ingress = serve.deployment(
         OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
     )

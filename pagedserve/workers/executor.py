@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
 from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -52,13 +52,13 @@ class Executor(ABC):
         return RayExecutor
 
     @staticmethod
-    def create(engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None) -> Executor:
-        """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
-        replica's own) hold the workers; by default the Ray executor makes its own."""
+    def create(engine_config: EngineConfig, model_config: ModelConfig, placement: WorkerPlacement | None = None) -> Executor:
+        """`placement`: the bundles of a Ray Serve replica's group that hold the ranks; by
+        default the Ray executor makes and owns a group of its own."""
         executor_class = Executor.class_for(engine_config)
-        if placement_group is None or engine_config.executor_backend == "uni":  # one rank: no bundles to use
+        if placement is None or engine_config.executor_backend == "uni":  # one rank: no bundles to use
             return executor_class(engine_config, model_config)
-        return executor_class(engine_config, model_config, placement_group, first_bundle=1)
+        return executor_class(engine_config, model_config, placement)
 
     @classmethod
     @abstractmethod
