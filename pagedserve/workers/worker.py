@@ -50,13 +50,9 @@ class Worker:
         """Pick the device and, with more than one rank, join the process group
         (NCCL on CUDA, gloo on the CPU). A CPU rank in a Ray actor runs as many torch threads as
         its bundle has CPUs (Ray sets OMP_NUM_THREADS)."""
-        config = self.engine_config
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        if world_size > 1:
+        if self.engine_config.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.parallel = init_parallel_context(
-                self.rank, config.tensor_parallel_size, config.pipeline_parallel_size, distributed_init_method, backend
-            )
+            self.parallel = init_parallel_context(self.rank, self.engine_config, distributed_init_method, backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
