@@ -51,15 +51,14 @@ TOP_LEVEL_MODULES = {
     "pagedserve.gguf_checkpoint": "engine",
 }
 
-# The engine's types that cross the engine <-> worker boundary: the only engine modules workers
-# may import. (When engine/outputs.py is split into the scheduler's and the runner's outputs,
-# name the new files here.)
-ENGINE_BOUNDARY = {"pagedserve.engine.outputs"}
+# The engine's types that cross the engine <-> worker boundary, the only engine modules workers
+# may import: the scheduler's output (the workers' input) and the model runner's output.
+ENGINE_BOUNDARY = {"pagedserve.engine.scheduler_output", "pagedserve.engine.model_runner_output"}
 
 
 @dataclass(frozen=True)
 class Import:
-    target: str  # the imported module, e.g. "pagedserve.engine.outputs"
+    target: str  # the imported module, e.g. "pagedserve.engine.scheduler_output"
     line: int
     in_function: str | None  # the enclosing function's name for a function-level import
 
@@ -188,7 +187,8 @@ def test_imports_respect_the_layers(path):
         ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "boundary types"),
         ("pagedserve.ray_env", "from pagedserve.workers import ray_executor\n", "imports upward"),
         ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
-        ("pagedserve.sampling_params", "from pagedserve.engine import outputs\n", "imports upward"),
+        ("pagedserve.sampling_params", "from pagedserve.engine import scheduler_output\n", "imports upward"),
+        ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "boundary types"),
     ],
 )
 def test_the_checker_catches(importer, source, fragment):
@@ -208,8 +208,8 @@ def test_the_checker_lets_config_import_only_leaves(monkeypatch):
 @pytest.mark.parametrize(
     "importer, source",
     [
-        ("pagedserve.workers.worker", "from pagedserve.engine.outputs import SchedulerOutput\n"),
-        ("pagedserve.workers.worker", "from pagedserve.engine import outputs\n"),
+        ("pagedserve.workers.worker", "from pagedserve.engine.scheduler_output import SchedulerOutput\n"),
+        ("pagedserve.workers.worker", "from pagedserve.engine import model_runner_output\n"),
         ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
         ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
         ("pagedserve.engine.scheduler", "from .request import Request\n"),
