@@ -1,11 +1,12 @@
 """The Serve application: OpenAI ingress -> LLMServer (one AsyncLLM per replica), plus the
-metrics hub.
+metrics hub (every replica's statistics for /metrics, one series per replica).
 
 `build_app` is the Serve config's `import_path` (`pagedserve.cluster.app:build_app`): Serve calls
 it with the config's `args`, which are `ServerConfig` fields (engine arguments under `engine:` or
-flat). The LLMServer replicas get a placement group each: bundle 0 for the replica (one CPU), then
-one bundle per TP x PP rank (a GPU each on a GPU cluster). A CPU-only, single-rank engine runs in
-the replica itself.
+flat). The LLMServer replicas get a placement group each, laid out here and only here: bundle 0
+for the replica (one CPU), then one bundle per TP x PP rank (a GPU each on a GPU cluster), whose
+indices the replica hands down to its executor. A CPU-only, single-rank engine runs in the
+replica itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """LLMServer: the Ray Serve deployment that hosts one AsyncLLM.
 
-Its workers go into the bundles of the replica's placement group that app.py gives it. It streams `RequestOutput`s to the ingress, and turns bad input
-into an `ErrorInfo` item rather than an exception, so the ingress can answer with the right
-status before it starts a stream. Every second it reports its engine statistics to the metrics
-hub, which sums the replicas for /metrics.
+Its workers go into the bundles of the replica's placement group that app.py gives it. It streams
+`RequestOutput`s to the ingress, and turns bad input into an `ErrorInfo` item rather than an
+exception, so the ingress can answer with the right status before it starts a stream. Every second
+it reports its engine statistics to the metrics hub, which renders them for /metrics as this
+replica's series (a `replica` label; sums over replicas belong in PromQL).
 """
 
 from __future__ import annotations
