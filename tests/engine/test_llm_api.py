@@ -221,11 +221,16 @@ def test_bad_sampling_params_name_the_field(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_request_that_can_never_fit_the_cache_is_rejected(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), max_model_len=256, num_gpu_blocks_override=4)  # 64 tokens
+def test_max_model_len_beyond_the_cache(model_dirs):
+    """A request must fit the KV cache whole: a max_model_len the cache cannot hold is refused at
+    start; the model's own limit is capped to what the cache holds, so no request can outgrow it."""
+    with pytest.raises(ValueError, match=r"max_model_len=256 is more than the KV cache holds \(64 tokens\)"):
+        LLM(str(model_dirs["llama"]), max_model_len=256, num_gpu_blocks_override=4)  # 4 x 16 tokens
+    llm = LLM(str(model_dirs["llama"]), num_gpu_blocks_override=4)
     try:
-        with pytest.raises(ValueError, match="more than the whole cache holds"):
-            llm.generate(["ok", "Hello"], [greedy(8), greedy(100)], use_tqdm=False)
+        assert llm.llm_engine.model_config.max_model_len == 64
+        with pytest.raises(ValueError, match="max_model_len=64"):
+            llm.generate(["ok", "Hello " * 70], [greedy(8), greedy(8)], use_tqdm=False)
         assert_idle(llm)
         assert len(llm.generate("Hello", greedy(8), use_tqdm=False)[0].outputs[0].token_ids) == 8
     finally:
