@@ -148,7 +148,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker.execute(self.sched.schedule())  # delivers the last finished ids
         assert not self.worker.states, f"workers kept {sorted(self.worker.states)}"
         assert_no_leak(self.sched)
-        assert self.sched.kv.usage == 0 and not self.sched.requests
+        assert self.sched.kv_cache_manager.usage == 0 and not self.sched.requests
         for req_id, request in self.requests.items():
             assert len(self.endings[req_id]) == 1, (request, self.endings[req_id])
             assert request.is_finished and self.streamed[req_id] == request.output_token_ids, request
@@ -158,7 +158,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.totals["requests"] += len(self.requests)
         self.totals["preemptions"] += self.sched.num_preemptions_total
         self.totals["worker_losses"] += self.num_worker_losses
-        self.totals["prefix_hits"] += self.sched.kv.num_prefix_hits
+        self.totals["prefix_hits"] += self.sched.kv_cache_manager.num_prefix_hits
 
     # ---- helpers --------------------------------------------------------------------------
 
