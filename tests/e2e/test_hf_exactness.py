@@ -29,8 +29,9 @@ CONFIGS = {
     "default": ({}, PROMPTS),
     "no_prefix_caching": ({"enable_prefix_caching": False}, PROMPTS),
     "chunked_prefill_budget_16": ({"max_num_batched_tokens": 16}, PROMPTS),
-    # 10 blocks of 16 tokens: the longest request needs 5, so the batch keeps preempting.
-    "forced_preemption": ({"num_gpu_blocks_override": 10}, PROMPTS),
+    # 10 blocks of 16 tokens: the longest request needs 5, so the batch keeps preempting. A
+    # max_model_len must fit the cache (160 tokens), or the engine refuses to start.
+    "forced_preemption": ({"num_gpu_blocks_override": 10, "max_model_len": 160}, PROMPTS),
     "max_num_seqs_2": ({"max_num_seqs": 2}, PROMPTS),
     "block_size_8_no_chunking": ({"block_size": 8, "enable_chunked_prefill": False}, PROMPTS),
 }
@@ -48,7 +49,7 @@ def engine_vs_hf(llm: LLM, hf, prompts: list[str]) -> list:
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
     engine_args, prompts = CONFIGS[config_name]
-    llm = LLM(str(model_dirs[arch]), max_model_len=256, **engine_args)
+    llm = LLM(str(model_dirs[arch]), **{"max_model_len": 256, **engine_args})
     try:
         engine_vs_hf(llm, hf_references[arch], prompts)
         if config_name == "forced_preemption":
