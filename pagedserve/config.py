@@ -1,16 +1,14 @@
-"""Every knob of the engine as a pydantic field, and what it resolves to for a given checkpoint.
+"""Every knob of the engine as a pydantic field, and the shape of what it resolves to.
 
 `EngineConfig` is what a user sets (keyword arguments of `LLM`, YAML keys and CLI flags map 1:1
 onto its fields). `ModelConfig` is what the engine derives from it and the checkpoint's
-`config.json`: both travel to the workers.
+`config.json` (model_resolver.resolve_model_config): both travel to the workers. This module only
+describes: it reads no checkpoint, probes no device and starts nothing, so every layer may use it.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,24 +22,10 @@ MODEL_HELP = (
     "A local Hugging Face checkpoint folder, a .gguf file, a model hub id ('org/name'), "
     "'demo' (SmolLM2-135M-Instruct) or 'tiny' (a random-weight test model)."
 )
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 # The CPU has no memory profiler to size the cache from; tests build many engines in one process.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 class EngineConfig(BaseModel):
@@ -276,134 +260,14 @@ class ModelConfig:
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
 
-def resolve_model_config(config: EngineConfig, device_resolver: Callable[[EngineConfig], str] | None = None) -> ModelConfig:
-    """Check the checkpoint folder (cheaply, before any weights load) and derive the model's shape.
-    `device_resolver` (the executor's `resolve_device`) picks the device once the checkpoint
-    checks pass, so a bad folder fails before anything starts; by default the device this
-    process sees. Nothing here starts Ray or any other process."""
-    from pagedserve.model_resolver import resolve_checkpoint
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where an engine's ranks go in a placement group made by someone else (a Serve replica's):
+    rank i in bundle `bundle_indices[i]`. Whoever makes the group decides its layout (cluster/app.py);
+    the executor takes the indices it is given."""
 
-    checkpoint = resolve_checkpoint(config.model, config.tokenizer, config.revision)
-    model_path, tokenizer_path = checkpoint.model_path, checkpoint.tokenizer_path
-    hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
-    architecture = _architecture_of(hf_config, model_path)
-    device = device_resolver(config) if device_resolver is not None else resolve_device(config.device)
-    num_heads = hf_config.num_attention_heads
-    return ModelConfig(
-        model_path=str(model_path),
-        tokenizer_path=str(tokenizer_path),
-        architecture=architecture,
-        hf_config=hf_config,
-        dtype=_resolve_dtype(config.dtype, hf_config, device),
-        device=device,
-        max_model_len=_resolve_max_model_len(config.max_model_len, hf_config),
-        vocab_size=hf_config.vocab_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        eos_token_ids=_eos_token_ids(model_path, hf_config),
-    )
-
-
-def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:
-    """`device` ('auto', 'cpu' or 'cuda') made concrete. `has_gpu`: whether the ranks' machines
-    have a GPU (the Ray executor asks its cluster); by default whether this process sees one."""
-    if has_gpu is None:
-        has_gpu = torch.cuda.is_available()
-    if device == "auto":
-        return "cuda" if has_gpu else "cpu"
-    if device == "cuda" and not has_gpu:
-        raise ValueError(f"device='cuda' was asked for but no CUDA device is available {where}")
-    return device
-
-
-def _load_hf_config(path: Path) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:
-        raise ValueError(f"cannot read {path / 'config.json'}: {error}") from None
-
-
-def _architecture_of(hf_config: Any, path: Path) -> str:
-    architectures = getattr(hf_config, "architectures", None) or []
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    raise ValueError(
-        f"unsupported architecture {architectures or '(none given)'} in {path / 'config.json'}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(checkpoint, str):
-        checkpoint = _DTYPES.get(checkpoint, torch.float32)
-    if device == "cpu":
-        # A half-precision checkpoint runs in bfloat16 where the CPU computes it natively (vLLM's
-        # choice there; 1.5x float32's throughput, measured): float32 would double the memory
-        # traffic for precision its weights never had. A float32 checkpoint keeps its precision,
-        # and a CPU without bfloat16 instructions (where torch emulates it, slowly) stays float32.
-        if checkpoint in (torch.bfloat16, torch.float16) and cpu_has_native_bfloat16():
-            return torch.bfloat16
-        return torch.float32
-    # A float32 checkpoint on a GPU runs in bfloat16, as vLLM does: float32 halves throughput.
-    # GPUs before Ampere have no bfloat16 arithmetic (torch only emulates it): they get float16.
-    if checkpoint in (None, torch.float32, torch.bfloat16):
-        return torch.bfloat16 if _gpu_supports_bfloat16() else torch.float16
-    return checkpoint
-
-
-@functools.cache
-def cpu_has_native_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _gpu_supports_bfloat16() -> bool:
-    """Asked of this process's GPU. An engine without one (its Ray workers hold the GPUs) cannot
-    ask, and assumes Ampere or newer."""
-    if not torch.cuda.is_available():
-        return True
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # Sliding-window attention is not implemented: cap the length where it makes no difference.
-        limit = min(limit, window)
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds what the model supports ({limit}, from "
-            "max_position_embeddings or sliding_window in config.json)"
-        )
-    return requested
-
-
-def _eos_token_ids(path: Path, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (which may list several) and config.json."""
-    ids: list[int] = []
-    generation = path / "generation_config.json"
-    for source in (json.loads(generation.read_text()) if generation.is_file() else {}, hf_config):
-        value = source.get("eos_token_id") if isinstance(source, dict) else getattr(source, "eos_token_id", None)
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return tuple(ids)
+    placement_group: Any  # a ray.util.placement_group.PlacementGroup
+    bundle_indices: tuple[int, ...]
 
 
 def default_cache_dir() -> Path:

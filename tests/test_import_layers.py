@@ -23,32 +23,42 @@ import pytest
 PACKAGE = "pagedserve"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-# Layers, top first. A module's layer is its first name under pagedserve; top-level modules not
-# named here are in no layer, which the test reports (a new module must be placed on purpose).
+# Layers, top first. A module's layer is its first name under pagedserve (pagedserve.engine.*:
+# "engine"); a top-level module's is given in TOP_LEVEL_MODULES. A top-level module named in
+# neither is in no layer, which the test reports: a new module must be placed on purpose.
 ENTRY = "entry"  # what people run or import first: it may import anything, nothing imports it
 LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "bottom"]
-ENTRY_MODULES = {"pagedserve", "pagedserve.cli", "pagedserve.cli_args"}
 
-# The bottom layer, by name: every layer may import these. Each is here for a reason.
-BOTTOM_MODULES = {
-    "pagedserve.config",  # pydantic models for every knob: describes, resolves nothing
-    "pagedserve.sampling_params",  # a request's parameters
-    "pagedserve.demo",  # builds the demo checkpoint on disk; model resolution uses it
-    # Planned by other branches of issue 12 (the config-as-a-leaf moves): Ray start-up helpers
-    # that the cluster and the workers share, and model-name -> checkpoint resolution.
-    "pagedserve.ray_env",
-    "pagedserve.model_resolver",
+# Every top-level module's layer, each for a reason.
+TOP_LEVEL_MODULES = {
+    "pagedserve": ENTRY,  # the package: LLM, AsyncLLM, SamplingParams, loaded lazily
+    "pagedserve.cli": ENTRY,  # `pagedserve serve | generate`
+    "pagedserve.cli_args": ENTRY,  # the CLI's flags, made from the config's fields
+    "pagedserve.config": "bottom",  # pydantic models for every knob: describes, resolves nothing
+    "pagedserve.sampling_params": "bottom",  # a request's parameters
+    # Starting or joining Ray: the cluster (replica placement) and the workers (the Ray executor)
+    # both need it, so it sits below both; it imports nothing of the project.
+    "pagedserve.ray_env": "bottom",
+    # Model name -> checkpoint folder -> ModelConfig. The engine resolves the model once, before
+    # any worker starts (it asks the executor for the device and the workers' model registry for
+    # the architectures); the workers only receive the finished ModelConfig, so they may not
+    # import it, and config may not either (it describes).
+    "pagedserve.model_resolver": "engine",
+    # What model resolution builds or converts on disk: the 'demo' and 'tiny' checkpoints and GGUF
+    # files. Only model_resolver (and `python -m pagedserve.demo`) uses them: the same layer.
+    "pagedserve.demo": "engine",
+    "pagedserve.tiny_model": "engine",
+    "pagedserve.gguf_checkpoint": "engine",
 }
 
-# The engine's types that cross the engine <-> worker boundary: the only engine modules workers
-# may import. (When engine/outputs.py is split into the scheduler's and the runner's outputs,
-# name the new files here.)
-ENGINE_BOUNDARY = {"pagedserve.engine.outputs"}
+# The engine's types that cross the engine <-> worker boundary, the only engine modules workers
+# may import: the scheduler's output (the workers' input) and the model runner's output.
+ENGINE_BOUNDARY = {"pagedserve.engine.scheduler_output", "pagedserve.engine.model_runner_output"}
 
 
 @dataclass(frozen=True)
 class Import:
-    target: str  # the imported module, e.g. "pagedserve.engine.outputs"
+    target: str  # the imported module, e.g. "pagedserve.engine.scheduler_output"
     line: int
     in_function: str | None  # the enclosing function's name for a function-level import
 
@@ -99,10 +109,8 @@ def _absolute(node: ast.ImportFrom, name: str, is_pkg: bool) -> str:
 
 
 def layer_of(name: str) -> str | None:
-    if name in ENTRY_MODULES:
-        return ENTRY
-    if name in BOTTOM_MODULES:
-        return "bottom"
+    if name in TOP_LEVEL_MODULES:
+        return TOP_LEVEL_MODULES[name]
     parts = name.split(".")
     if len(parts) >= 2 and parts[1] in LAYERS:
         return parts[1]
@@ -174,9 +182,13 @@ def test_imports_respect_the_layers(path):
         ("pagedserve.workers.worker", "def f():\n    from pagedserve.engine.scheduler import Scheduler\n", "boundary types"),
         ("pagedserve.workers.worker", "from pagedserve.cluster import app\n", "imports upward"),
         ("pagedserve.kernels.reference", "import pagedserve.config\n", "kernels import nothing"),
-        ("pagedserve.config", "def f():\n    from pagedserve.demo import ensure_demo_model\n", "only leaves"),
+        ("pagedserve.config", "def f():\n    from pagedserve.model_resolver import resolve_checkpoint\n", "imports upward"),
+        ("pagedserve.config", "def f():\n    from pagedserve.demo import ensure_demo_model\n", "imports upward"),
+        ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "boundary types"),
+        ("pagedserve.ray_env", "from pagedserve.workers import ray_executor\n", "imports upward"),
         ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
-        ("pagedserve.sampling_params", "from pagedserve.engine import outputs\n", "imports upward"),
+        ("pagedserve.sampling_params", "from pagedserve.engine import scheduler_output\n", "imports upward"),
+        ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "boundary types"),
     ],
 )
 def test_the_checker_catches(importer, source, fragment):
@@ -184,11 +196,20 @@ def test_the_checker_catches(importer, source, fragment):
     assert any(r is not None and fragment in r for r in reasons), reasons
 
 
+def test_the_checker_lets_config_import_only_leaves(monkeypatch):
+    """Every bottom module is a leaf today; pretend ray_env imported something."""
+    imported = project_imports("from pagedserve.ray_env import cluster_resources\n", "pagedserve.config")
+    assert [violation("pagedserve.config", i) for i in imported] == [None]
+    monkeypatch.setitem(globals(), "is_leaf", lambda name: False)
+    reasons = [violation("pagedserve.config", i) for i in imported]
+    assert reasons and "only leaves" in reasons[0], reasons
+
+
 @pytest.mark.parametrize(
     "importer, source",
     [
-        ("pagedserve.workers.worker", "from pagedserve.engine.outputs import SchedulerOutput\n"),
-        ("pagedserve.workers.worker", "from pagedserve.engine import outputs\n"),
+        ("pagedserve.workers.worker", "from pagedserve.engine.scheduler_output import SchedulerOutput\n"),
+        ("pagedserve.workers.worker", "from pagedserve.engine import model_runner_output\n"),
         ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
         ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
         ("pagedserve.engine.scheduler", "from .request import Request\n"),

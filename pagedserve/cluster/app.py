@@ -1,12 +1,12 @@
 """The Serve application: OpenAI ingress -> LLMServer (one AsyncLLM per replica), plus the
-metrics hub.
+metrics hub (every replica's statistics for /metrics, one series per replica).
 
 `build_app` is the Serve config's `import_path` (`pagedserve.cluster.app:build_app`): Serve calls
 it with the config's `args`, which are `ServerConfig` fields (engine arguments under `engine:` or
-flat). The LLMServer replicas get a placement group each: bundle 0 for the replica
-(`deployment.num_cpus`, default one CPU), then
-one bundle per TP x PP rank (a GPU each on a GPU cluster). A CPU-only, single-rank engine runs in
-the replica itself.
+flat). The LLMServer replicas get a placement group each, laid out here and only here: bundle 0
+for the replica (`deployment.num_cpus`, default one CPU), then one bundle per TP x PP rank (a GPU each on a GPU cluster), whose
+indices the replica hands down to its executor. A CPU-only, single-rank engine runs in the
+replica itself.
 """
 
 from __future__ import annotations
@@ -45,14 +45,17 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         server_options["autoscaling_config"] = options.autoscaling_config
     else:
         server_options["num_replicas"] = options.num_replicas
+    worker_bundle_indices: tuple[int, ...] = ()
     if worker_bundles:
+        # The one place the layout is decided: the replica, then its ranks in order.
         server_options["placement_group_bundles"] = [{"CPU": options.num_cpus}, *worker_bundles]
         server_options["placement_group_strategy"] = "PACK"
+        worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))
 
     hub = serve.deployment(
         MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
     ).bind()
-    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub)
+    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub, worker_bundle_indices)
     ingress = serve.deployment(
         OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
     )

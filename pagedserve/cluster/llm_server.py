@@ -1,10 +1,10 @@
 """LLMServer: the Ray Serve deployment that hosts one AsyncLLM.
 
-Its workers go into the replica's placement group (bundle 0 is the replica itself, the rest hold
-the TP x PP ranks; see app.py). It streams `RequestOutput`s to the ingress, and turns bad input
-into an `ErrorInfo` item rather than an exception, so the ingress can answer with the right
-status before it starts a stream. Every second it reports its engine statistics to the metrics
-hub, which sums the replicas for /metrics.
+Its workers go into the bundles of the replica's placement group that app.py gives it. It streams
+`RequestOutput`s to the ingress, and turns bad input into an `ErrorInfo` item rather than an
+exception, so the ingress can answer with the right status before it starts a stream. Every second
+it reports its engine statistics to the metrics hub, which renders them for /metrics as this
+replica's series (a `replica` label; sums over replicas belong in PromQL).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from pagedserve.config import ServerConfig
+from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
 from pagedserve.engine.llm_engine import EngineDeadError
@@ -46,13 +46,17 @@ def overloaded(message: str) -> ErrorInfo:
 
 
 class LLMServer:
-    def __init__(self, config: ServerConfig, metrics_hub: Any = None):
+    def __init__(self, config: ServerConfig, metrics_hub: Any = None, worker_bundle_indices: tuple[int, ...] = ()):
+        """`worker_bundle_indices`: the bundles of this replica's placement group that hold the
+        engine's ranks, in rank order (app.py lays the group out); none: the engine runs here."""
         import ray
         from ray import serve
 
         engine_config = config.engine_config()
-        group = ray.util.get_current_placement_group() if engine_config.executor_backend == "ray" else None
-        self.llm = AsyncLLM(engine_config, group)
+        placement = None
+        if worker_bundle_indices:
+            placement = WorkerPlacement(ray.util.get_current_placement_group(), tuple(worker_bundle_indices))
+        self.llm = AsyncLLM(engine_config, placement)
         self.model_name = config.model_name
         self.stream_interval_s = config.stream_interval_ms / 1000
         self.replica_id = str(serve.get_replica_context().replica_id)

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from pagedserve.cluster import openai_format as fmt
 from pagedserve.cluster.llm_server import ErrorInfo
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, WorkerPlacement
 from pagedserve.engine.input_processor import ProcessedPrompt, PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
@@ -88,9 +88,9 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, placement_group: Any = None):
-        """`placement_group`: a Ray Serve replica's, for the workers (see Executor.create)."""
-        self.engine = LLMEngine(config, placement_group)
+    def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
+        """`placement`: the bundles of a Ray Serve replica's group for the workers (see Executor.create)."""
+        self.engine = LLMEngine(config, placement)
         self.config = config
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)

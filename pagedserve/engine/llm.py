@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import render_chat
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
-from pagedserve.engine.outputs import FinishReason
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

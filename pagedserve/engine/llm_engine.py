@@ -11,16 +11,17 @@ import logging
 import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_model_config
+from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.metrics import EngineStats
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.executor import Executor, WorkerGroupError
 
@@ -32,16 +33,16 @@ class EngineDeadError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, placement_group: Any = None):
-        """`placement_group`: a Ray Serve replica's, for its workers (see Executor.create)."""
+    def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
+        """`placement`: the bundles of a Ray Serve replica's group for its workers (see Executor.create)."""
         self.config = config
-        self.placement_group = placement_group
+        self.placement = placement
         # The executor picks the device: only it knows where the ranks run (the Ray one starts
         # or joins Ray, with a CPU slot per rank, to ask).
         model_config = resolve_model_config(config, Executor.class_for(config).resolve_device)
         self.tokenizer = load_tokenizer(model_config.tokenizer_path)
         self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
-        self.executor = Executor.create(config, self.model_config, placement_group)
+        self.executor = Executor.create(config, self.model_config, placement)
         try:
             num_blocks = self._initialize_kv_cache()
             self.model_config = _fit_max_model_len(self.model_config, config.max_model_len, num_blocks * config.block_size)
@@ -164,7 +165,7 @@ class LLMEngine:
         if self._consecutive_failures > self.config.max_worker_restarts:
             return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
         try:
-            executor = Executor.create(self.config, self.model_config, self.placement_group)
+            executor = Executor.create(self.config, self.model_config, self.placement)
         except Exception as rebuild_error:
             return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
         self.executor = executor

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.outputs import EngineCoreOutput, FinishReason, TokenLogprobs
+from pagedserve.engine.model_runner_output import TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -21,15 +21,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pagedserve.engine.engine_core_output import EngineCoreOutput
 from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.outputs import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:

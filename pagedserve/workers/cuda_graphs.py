@@ -51,12 +51,11 @@ def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 def graphs_enabled(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> bool:
-    world_size = config.tensor_parallel_size * config.pipeline_parallel_size
     return (
         device.type == "cuda"
         and not config.enforce_eager
         and backend.name in GRAPH_SAFE_BACKENDS
-        and world_size == 1
+        and config.world_size == 1
     )
 
 

@@ -5,8 +5,23 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+import torch
+
+from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
+
+
+def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:
+    """`device` ('auto', 'cpu' or 'cuda') made concrete. `has_gpu`: whether the ranks' machines
+    have a GPU (the Ray executor asks its cluster); by default whether this process sees one."""
+    if has_gpu is None:
+        has_gpu = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if device == "cuda" and not has_gpu:
+        raise ValueError(f"device='cuda' was asked for but no CUDA device is available {where}")
+    return device
 
 
 class WorkerGroupError(RuntimeError):
@@ -38,17 +53,17 @@ class Executor(ABC):
         return RayExecutor
 
     @staticmethod
-    def create(engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None) -> Executor:
-        """`placement_group`: a Ray Serve replica's group, whose bundles after the first (the
-        replica's own) hold the workers; by default the Ray executor makes its own."""
+    def create(engine_config: EngineConfig, model_config: ModelConfig, placement: WorkerPlacement | None = None) -> Executor:
+        """`placement`: the bundles of a Ray Serve replica's group that hold the ranks; by
+        default the Ray executor makes and owns a group of its own."""
         executor_class = Executor.class_for(engine_config)
-        if placement_group is None or engine_config.executor_backend == "uni":  # one rank: no bundles to use
+        if placement is None or engine_config.executor_backend == "uni":  # one rank: no bundles to use
             return executor_class(engine_config, model_config)
-        return executor_class(engine_config, model_config, placement_group, first_bundle=1)
+        return executor_class(engine_config, model_config, placement)
 
     @classmethod
     @abstractmethod
-    def resolve_device(cls, engine_config: EngineConfig) -> str:
+    def resolve_device(cls, engine_config: EngineConfig) -> str:  # see resolve_device() above
         """'cpu' or 'cuda': where this kind of executor would run the ranks. The executor decides
         because only it knows where they run (and the Ray one may have to start Ray to ask)."""
 

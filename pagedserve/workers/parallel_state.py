@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagedserve.config import EngineConfig
+
 
 @dataclass
 class ParallelContext:
@@ -80,12 +82,12 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def init_parallel_context(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str, timeout_s: float = 120.0) -> ParallelContext:
+def init_parallel_context(rank: int, config: EngineConfig, init_method: str, backend: str, timeout_s: float = 120.0) -> ParallelContext:
     """Join the process group and build the TP and PP groups. Every rank creates every group, in
     the same order (torch.distributed requires it), and keeps the ones it belongs to."""
     import datetime
 
-    world_size = tp_size * pp_size
+    tp_size, pp_size, world_size = config.tensor_parallel_size, config.pipeline_parallel_size, config.world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _rendezvous_store(init_method, rank, world_size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

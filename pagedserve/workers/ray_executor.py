@@ -21,11 +21,12 @@ import socket
 import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_device
-from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
-from pagedserve.workers.executor import Executor, WorkerGroupError
+from pagedserve.workers.executor import Executor, WorkerGroupError, resolve_device
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -38,20 +39,25 @@ LOOPBACK = "127.0.0.1"
 
 
 class RayExecutor(Executor):
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, placement_group: Any = None, first_bundle: int = 0):
-        """`placement_group`: use this one's bundles from `first_bundle` on (a Serve replica's);
-        by default the executor creates and owns a group of TP x PP bundles."""
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, placement: WorkerPlacement | None = None):
+        """`placement`: rank i goes into bundle `placement.bundle_indices[i]` of its group (a
+        Serve replica's); by default the executor creates and owns a group of TP x PP bundles."""
         super().__init__(engine_config, model_config)
         self.world_size = engine_config.world_size
+        if placement is not None and len(placement.bundle_indices) != self.world_size:
+            raise ValueError(
+                f"{len(placement.bundle_indices)} placement group bundles {list(placement.bundle_indices)} "
+                f"for tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks: need one per rank"
+            )
         # The sampling rank: the last stage's first TP rank.
         self.driver_rank = (engine_config.pipeline_parallel_size - 1) * engine_config.tensor_parallel_size
         self.workers: list[Any] = []
         self.pids: list[int] = []
         self.loop_refs: list[Any] = []
         self.connections: list[socket.socket] = []
-        self.owns_placement_group = placement_group is None
-        self.placement_group = placement_group
-        self.first_bundle = first_bundle
+        self.owns_placement_group = placement is None
+        self.placement_group = placement.placement_group if placement is not None else None
+        self.bundle_indices = placement.bundle_indices if placement is not None else tuple(range(self.world_size))
         self.node_ips: list[str] = []  # each rank's node
         try:
             self._start()
@@ -107,7 +113,7 @@ class RayExecutor(Executor):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=self.first_bundle + rank)
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=self.bundle_indices[rank])
         actor_class = ray.remote(Worker)
         return actor_class.options(
             num_cpus=0 if use_gpu else 1,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_device
-from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedserve.workers.executor import Executor
+from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.workers.executor import Executor, resolve_device
 from pagedserve.workers.worker import Worker
 
 

@@ -13,7 +13,8 @@ import traceback
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from pagedserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.workers import step_channel
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.parallel_state import ParallelContext, init_parallel_context
@@ -50,13 +51,9 @@ class Worker:
         """Pick the device and, with more than one rank, join the process group
         (NCCL on CUDA, gloo on the CPU). A CPU rank in a Ray actor runs as many torch threads as
         its bundle has CPUs (Ray sets OMP_NUM_THREADS)."""
-        config = self.engine_config
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
-        if world_size > 1:
+        if self.engine_config.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.parallel = init_parallel_context(
-                self.rank, config.tensor_parallel_size, config.pipeline_parallel_size, distributed_init_method, backend
-            )
+            self.parallel = init_parallel_context(self.rank, self.engine_config, distributed_init_method, backend)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()

@@ -9,8 +9,8 @@ from dataclasses import fields
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.metrics_hub import MetricsHub
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.metrics import TTFT_BUCKETS, EngineStats
-from pagedserve.engine.outputs import FinishReason
 
 
 def stats(tokens: int, running: int, usage: float) -> EngineStats:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.output_processor import OutputProcessor, child_request_id
-from pagedserve.engine.outputs import EngineCoreOutput, FinishReason
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = "Tell me a story:"

@@ -5,7 +5,7 @@ fake worker checks the K/V each request attends over, so each test covers those 
 
 from __future__ import annotations
 
-from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.request import RequestStatus
 from tests.engine.scheduler_harness import (
     EOS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.request import Request, RequestStatus, max_kv_slots_needed
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.scheduler_harness import EOS, FakeWorker, assert_no_leak, check_invariants, make_scheduler

@@ -187,6 +187,24 @@ def test_dashboard_ships_as_a_configmap_and_a_file(rendered):
     assert all(doc["kind"] != "ConfigMap" for doc in rendered["cpu"])
 
 
+def test_dashboard_queries_aggregate_over_replicas():
+    """/metrics has one series per replica (a `replica` label), and Prometheus adds its own pod
+    labels: every panel aggregates each metric by model_name (and le for a histogram), never per
+    replica. Sums for counts and rates; KV-cache usage, a fraction, is averaged."""
+    import re
+
+    dashboard = json.loads((REPO / "dashboards" / "pagedserve.json").read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert expressions
+    for expr in expressions:
+        selectors = re.findall(r"pagedserve:[a-z0-9_]+", expr)
+        groupings = re.findall(r"\b(sum|avg) by \(([^)]*)\)", expr)
+        assert selectors and len(groupings) == len(selectors), expr
+        for _, labels in groupings:
+            names = {label.strip() for label in labels.split(",")}
+            assert "model_name" in names and names <= {"model_name", "le", "finished_reason"}, expr
+
+
 BAD_COMBINATIONS = [
     pytest.param(
         {"server.api_key": "sk-123"}, "server.api_key must not be given in plain text", id="plain-text-api-key"

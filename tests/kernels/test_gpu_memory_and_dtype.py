@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pagedserve import LLM
-from pagedserve.config import EngineConfig, _resolve_dtype, resolve_model_config
+from pagedserve.config import EngineConfig
+from pagedserve.model_resolver import _resolve_dtype, resolve_model_config
+from pagedserve.workers.uniproc_executor import UniProcExecutor
 from pagedserve.workers.worker import Worker
 
 GiB = 2**30
@@ -80,7 +82,7 @@ def test_model_larger_than_the_share_is_an_error(monkeypatch):
     ],
 )
 def test_auto_dtype_on_cuda(monkeypatch, checkpoint, has_bf16, expected):
-    monkeypatch.setattr("pagedserve.config._gpu_supports_bfloat16", lambda: has_bf16)
+    monkeypatch.setattr("pagedserve.model_resolver._gpu_supports_bfloat16", lambda: has_bf16)
     assert _resolve_dtype("auto", SimpleNamespace(dtype=checkpoint), "cuda") is expected
     assert _resolve_dtype("float32", SimpleNamespace(dtype=checkpoint), "cuda") is torch.float32
 
@@ -97,7 +99,7 @@ def test_auto_dtype_on_cuda(monkeypatch, checkpoint, has_bf16, expected):
     ],
 )
 def test_auto_dtype_on_cpu(monkeypatch, checkpoint, has_bf16, expected):
-    monkeypatch.setattr("pagedserve.config.cpu_has_native_bfloat16", lambda: has_bf16)
+    monkeypatch.setattr("pagedserve.model_resolver.cpu_has_native_bfloat16", lambda: has_bf16)
     assert _resolve_dtype("auto", SimpleNamespace(dtype=checkpoint), "cpu") is expected
     assert _resolve_dtype("float32", SimpleNamespace(dtype=checkpoint), "cpu") is torch.float32
 
@@ -108,7 +110,7 @@ def test_auto_dtype_on_cpu(monkeypatch, checkpoint, has_bf16, expected):
 @pytest.mark.gpu
 def test_gpu_default_dtype_is_bfloat16(model_dirs):
     """The tiny checkpoints are float32; on an Ampere or newer GPU they run in bfloat16."""
-    model_config = resolve_model_config(EngineConfig(model=str(model_dirs["llama"])))
+    model_config = resolve_model_config(EngineConfig(model=str(model_dirs["llama"])), UniProcExecutor.resolve_device)
     assert model_config.device == "cuda"
     major, _ = torch.cuda.get_device_capability()
     assert model_config.dtype is (torch.bfloat16 if major >= 8 else torch.float16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.outputs import CachedRequestData, SchedulerOutput
+from pagedserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.input_batch import CachedRequestState, build_step_inputs
 

@@ -316,3 +316,14 @@ def test_idle_workers_and_engine_use_no_cpu(ray_cluster, parallel_models):
         assert all(seconds < 0.2 for seconds in used), used
     finally:
         llm.shutdown()
+
+
+def test_placement_must_give_one_bundle_per_rank():
+    """The cluster lays out a replica's placement group; the executor only follows it, and a
+    layout with the wrong number of bundles is refused before anything starts."""
+    from pagedserve.config import EngineConfig, WorkerPlacement
+    from pagedserve.workers.ray_executor import RayExecutor
+
+    config = EngineConfig(model="tiny", tensor_parallel_size=2)  # not resolved: refused first
+    with pytest.raises(ValueError, match=r"2 ranks: need one per rank"):
+        RayExecutor(config, None, WorkerPlacement(placement_group=None, bundle_indices=(1,)))

@@ -1,25 +1,15 @@
-"""The types that cross the engine <-> worker boundary (pickled by Ray each step), and the
-scheduler's per-request result that the output processor turns into user-facing outputs.
+"""The scheduler's output: one step's work, sent to every worker (pickled) each iteration. One
+of the two engine modules the workers may import (with model_runner_output.py).
 
-Keep them small: a step carries full data only for requests the workers have not seen, and diffs
+Keep it small: a step carries full data only for requests the workers have not seen, and diffs
 for the rest, because this is sent to every worker every iteration.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended. Its value is vLLM's string, which the public outputs
-    (`CompletionOutput.finish_reason`) and the metrics' `finished_reason` label carry."""
-
-    STOP = "stop"  # an EOS token, one of stop_token_ids, or a stop string
-    LENGTH = "length"  # max_tokens, or max_model_len
-    ABORT = "abort"  # the caller gave up on it, or the engine could not run it
 
 
 @dataclass
@@ -74,42 +64,3 @@ class SchedulerOutput:
     def dropped_req_ids(self) -> set[str]:
         """Every request whose worker state goes: the finished and the preempted ones."""
         return self.finished_req_ids | self.preempted_req_ids
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities at one position, from the raw logits (before penalties and temperature)."""
-
-    token_ids: list[int]  # the sampled token first, then the top-N (it may appear twice)
-    logprobs: list[float]  # parallel to token_ids
-    sampled_rank: int  # 1-based rank of the sampled token among the whole vocabulary
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the sampling rank returns: one token for each request that reached the end of its
-    known tokens this step (a partial prefill chunk samples nothing)."""
-
-    req_ids: list[str]  # the requests that sampled, in the batch's order
-    sampled_token_ids: list[int]  # parallel to req_ids
-    logprobs: dict[str, TokenLogprobs] | None = None  # only requests that asked for them
-
-    @classmethod
-    def empty(cls) -> ModelRunnerOutput:
-        return cls([], [])
-
-
-@dataclass
-class EngineCoreOutput:
-    """The scheduler's news about one request after a step (engine-internal: the output
-    processor turns it into a user-facing output)."""
-
-    req_id: str  # the scheduler's id (a child's id when the user asked for n > 1)
-    new_token_ids: list[int]  # tokens sampled this step
-    new_logprobs: TokenLogprobs | None = None  # for new_token_ids, if the request asked
-    finish_reason: FinishReason | None = None  # set once the scheduler ended it
-    # The one of stop_token_ids that ended it (an EOS token leaves it None). Stop strings are
-    # found later, by the output processor's detokenizer.
-    stop_token_id: int | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute

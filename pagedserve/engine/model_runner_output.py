@@ -1,0 +1,29 @@
+"""The model runner's output: what the sampling rank sends back to the engine each step. One of
+the two engine modules the workers may import (with scheduler_output.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position, from the raw logits (before penalties and temperature)."""
+
+    token_ids: list[int]  # the sampled token first, then the top-N (it may appear twice)
+    logprobs: list[float]  # parallel to token_ids
+    sampled_rank: int  # 1-based rank of the sampled token among the whole vocabulary
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the sampling rank returns: one token for each request that reached the end of its
+    known tokens this step (a partial prefill chunk samples nothing)."""
+
+    req_ids: list[str]  # the requests that sampled, in the batch's order
+    sampled_token_ids: list[int]  # parallel to req_ids
+    logprobs: dict[str, TokenLogprobs] | None = None  # only requests that asked for them
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls([], [])
