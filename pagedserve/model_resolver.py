@@ -149,7 +149,9 @@ def resolve_model_config(config: EngineConfig, device_resolver: Callable[[Engine
     hf_config = SimpleNamespace(**_load_hf_config(model_path).to_dict())
     architecture = _architecture_of(hf_config, model_path)
     device = device_resolver(config)
-    num_heads = hf_config.num_attention_heads
+    from pagedserve.workers.models.llama import attention_dims
+
+    num_heads, num_kv_heads, head_dim = attention_dims(hf_config)
     return ModelConfig(
         model_path=str(model_path),
         tokenizer_path=str(tokenizer_path),
@@ -161,8 +163,8 @@ def resolve_model_config(config: EngineConfig, device_resolver: Callable[[Engine
         vocab_size=hf_config.vocab_size,
         num_layers=hf_config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         eos_token_ids=_eos_token_ids(model_path, hf_config),
     )
 

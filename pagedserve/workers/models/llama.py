@@ -57,13 +57,22 @@ STACKED_PARAMS = (
 )
 
 
+def attention_dims(cfg: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a checkpoint's config: the one place they are derived
+    (the engine's ModelConfig asks here too). Older configs leave out num_key_value_heads (no GQA)
+    and head_dim (hidden_size split evenly over the heads)."""
+    num_heads = cfg.num_attention_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return num_heads, num_kv_heads, head_dim
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads, num_kv_heads, opts.qkv_bias, parallel)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
+        num_heads, num_kv_heads, head_dim = attention_dims(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, num_heads, num_kv_heads, opts.qkv_bias, parallel)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, cfg.hidden_size, opts.o_bias, parallel)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.rotary = rotary
@@ -113,7 +122,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.parallel = parallel
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        _, _, head_dim = attention_dims(cfg)
         rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(cfg))
         stage_layers = layer_range(cfg.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None
