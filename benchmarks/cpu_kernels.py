@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.kernels import cpu_attention, reference  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.workers.input_batch import CachedRequestState  # noqa: E402
+from pagedserve.workers.step_inputs import CachedRequestState  # noqa: E402
 from pagedserve.workers.sampler import Sampler  # noqa: E402
-from pagedserve.workers.sampling_metadata import build_sampling_batch  # noqa: E402
+from pagedserve.workers.sampling_batch import build_sampling_batch  # noqa: E402
 from tests.kernels.paged_batch import make_batch  # noqa: E402
 
 

@@ -14,11 +14,11 @@ from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogpro
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
-from pagedserve.workers.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, build_step_inputs
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.parallel_state import ParallelContext
 from pagedserve.workers.sampler import Sampler, SamplerOutput
-from pagedserve.workers.sampling_metadata import build_sampling_batch
+from pagedserve.workers.sampling_batch import build_sampling_batch
 
 
 class ModelRunner:
@@ -37,7 +37,6 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps, once the cache exists
 
     def load_model(self) -> None:
@@ -58,11 +57,9 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One tensor per local layer, in the backend's layout. Zeroed: padded block-table
         entries point at block 0, and masked-out garbage must not be NaN."""
-        self.kv_caches = []
         for attn in self.model.attention_layers():
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.kv_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-            self.kv_caches.append(attn.kv_cache)
         # Graphs bake in the cache's addresses, so they are captured after it is allocated.
         if graphs_enabled(self.engine_config, self.backend, self.device):
             self.cuda_graphs = CudaGraphRunner.for_model(self.model, self.engine_config, self.model_config.max_model_len, self.device)

@@ -62,7 +62,7 @@ class FakeWorker:
     sends (full data once, diffs after), writes a fake K/V into the slots of each computed
     position, and checks that every position a request attends over holds the K/V of its own
     prefix: a block handed to two requests, a wrong prefix-cache hit or a lost diff all fail it.
-    It samples when a step reaches the end of the known tokens, as input_batch does."""
+    It samples when a step reaches the end of the known tokens, as workers/step_inputs.py does."""
 
     def __init__(self, block_size: int = BS, sample: Callable[[str, list[int]], int] | None = None):
         self.block_size = block_size

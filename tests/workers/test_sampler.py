@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.input_batch import CachedRequestState
+from pagedserve.workers.step_inputs import CachedRequestState
 from pagedserve.workers.sampler import Sampler, _apply_penalties, sample_inverse_cdf, step_seed
-from pagedserve.workers.sampling_metadata import build_sampling_batch
+from pagedserve.workers.sampling_batch import build_sampling_batch
 
 CPU = torch.device("cpu")
 EOS = (1,)

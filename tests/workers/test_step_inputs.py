@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.input_batch import CachedRequestState, build_step_inputs
+from pagedserve.workers.step_inputs import CachedRequestState, build_step_inputs
 
 BLOCK_SIZE = 4
 

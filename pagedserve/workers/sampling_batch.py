@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.workers.input_batch import CachedRequestState
+from pagedserve.workers.step_inputs import CachedRequestState
 from pagedserve.workers.sampler import Penalties, SamplingBatch, step_seed
 
 
