@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -111,6 +113,13 @@ def test_values_schema_lists_exactly_the_config_fields():
     assert set(server) == set(ServerConfig.model_fields)
     assert set(server["engine"]["properties"]) == set(EngineConfig.model_fields) - {"model"}
     assert set(server["deployment"]["properties"]) == set(DeploymentConfig.model_fields)
+
+
+def test_values_schema_is_generated_from_the_config_models():
+    """Each field's type, range and description come from pagedserve/config.py (one source):
+    `python tools/values_schema.py` regenerates them."""
+    result = subprocess.run([sys.executable, "tools/values_schema.py", "--check"], cwd=CHART.parents[1], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_kuberay_conventions(rendered):
