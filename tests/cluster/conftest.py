@@ -34,15 +34,16 @@ def deploy(config, name: str, route_prefix: str) -> None:
     serve.run(build_app(config), name=name, route_prefix=route_prefix)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05):
-    """Poll until predicate() is truthy; returns its value, or raises after `timeout` seconds."""
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition", details=lambda: ""):
+    """Poll until predicate() is truthy; returns its value, or raises after `timeout` seconds
+    naming `what`, with `details()` (say, a log tail) appended."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"{what} not met within {timeout} s\n{details()}".rstrip())
         time.sleep(interval)
 
 

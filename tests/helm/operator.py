@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from tests.cluster.conftest import free_port
+from tests.cluster.conftest import free_port, wait_until
 
 RAY = str(Path(sys.executable).parent / "ray")
 # Ports a node listens on besides the head's own: each gets a free one.
@@ -167,11 +167,5 @@ def new_cluster(rayservice: dict) -> PlayedCluster:
 
 
 def wait_for(predicate, timeout: float, what: str, cluster: PlayedCluster, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s\n{cluster.log_tail()}")
-        time.sleep(interval)
+    """wait_until, reporting the played cluster's log tail on failure."""
+    return wait_until(predicate, timeout, interval, what, cluster.log_tail)
