@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.kernels.reference import kv_cache_shape, paged_attention as reference_attention, write_kv_cache
+from pagedserve.kernels.reference import kv_cache_shape, prefill_attention, write_kv_cache
 
 __all__ = ["kv_cache_shape", "write_kv_cache", "paged_attention", "decode_row_groups", "gather_rows_kv"]
 
@@ -42,31 +42,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its cached tokens."""
     nd = meta.num_decodes
-    if nd == 0:
-        return reference_attention(query, key, value, kv_cache, meta, scale)
-    if nd == meta.num_seqs:
+    if nd and nd == meta.num_seqs:  # decode-only: no output buffer to copy through
         return _decode_attention(query, kv_cache, meta, scale)
     out = torch.empty_like(query)
-    out[:nd] = _decode_attention(query[:nd], kv_cache, meta, scale)
-    out[nd:] = reference_attention(query[nd:], key[nd:], value[nd:], kv_cache, _prefills(meta), scale)
+    if nd:
+        out[:nd] = _decode_attention(query[:nd], kv_cache, meta, scale)
+    prefill_attention(query, key, value, kv_cache, meta, scale, out)  # the reference's: no faster path yet
     return out
-
-
-def _prefills(meta: AttentionMetadata) -> AttentionMetadata:
-    """The metadata of the batch's prefill chunks alone (the sequences after the decodes)."""
-    nd = meta.num_decodes
-    qsl = [start - nd for start in meta.query_start_loc_host[nd:]]
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping[nd:],
-        query_start_loc=meta.query_start_loc[nd:] - nd,
-        seq_lens=meta.seq_lens[nd:],
-        block_tables=meta.block_tables[nd:],
-        num_decodes=0,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-        query_start_loc_host=qsl,
-        seq_lens_host=meta.seq_lens_host[nd:],
-    )
 
 
 def decode_row_groups(lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[int, int]]:

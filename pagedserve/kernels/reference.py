@@ -50,15 +50,23 @@ def paged_attention(
     nd = meta.num_decodes
     if nd:
         out[:nd] = _decode_attention(query[:nd], kv_cache, meta, scale)
+    prefill_attention(query, key, value, kv_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """The prefill chunks' rows of `out` (the sequences after the decodes), one sequence at a time;
+    shared by the backends that differ only in how they attend decodes."""
     qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-    for i in range(nd, meta.num_seqs):
+    for i in range(meta.num_decodes, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         if end - start == lens[i]:  # nothing cached before this chunk: its own K/V are all of it
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
             k, v = _cached_kv(kv_cache, meta.block_tables[i], lens[i])
         out[start:end] = _prefill_attention(query[start:end], k, v, scale)
-    return out
 
 
 def gather_kv(
