@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.request import max_kv_slots_needed, resolve_max_tokens
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
@@ -22,18 +21,19 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig, num_kv_cache_slots: int):
+    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig):
+        """No check against the KV cache's size is needed: the engine caps max_model_len to what
+        the cache holds, and no request outgrows max_model_len."""
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.model_config = model_config
-        self.num_kv_cache_slots = num_kv_cache_slots  # the whole KV cache's capacity, in tokens
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         processed = self._tokenize(prompt)
         self._check_prompt(processed.prompt_token_ids)
-        self._check_params(params, len(processed.prompt_token_ids))
+        self._check_params(params)
         return processed
 
     def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
@@ -69,7 +69,7 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def _check_params(self, params: SamplingParams) -> None:
         limit = self.engine_config.max_logprobs
         if params.logprobs is not None and params.logprobs > limit:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={limit}")
@@ -77,12 +77,3 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        max_len = self.model_config.max_model_len
-        max_tokens = resolve_max_tokens(params, num_prompt_tokens, max_len)
-        needed = max_kv_slots_needed(num_prompt_tokens, max_tokens, max_len)
-        if needed > self.num_kv_cache_slots:
-            raise ValueError(
-                f"the request may need {needed} tokens of KV cache (prompt {num_prompt_tokens} + "
-                f"max_tokens {max_tokens}), more than the whole cache holds ({self.num_kv_cache_slots}); "
-                "lower max_tokens or give the cache more memory"
-            )

@@ -61,7 +61,7 @@ class LLMEngine:
             max_model_len=self.model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.input_processor = InputProcessor(self.tokenizer, config, self.model_config, num_blocks * config.block_size)
+        self.input_processor = InputProcessor(self.tokenizer, config, self.model_config)
         self.stats = EngineStats()
         # Its own tokenizer instance: under AsyncLLM the output side decodes on the loop thread
         # while callers encode on theirs, and one fast tokenizer used from two threads can fail

@@ -22,12 +22,6 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
     return max(max_model_len - num_prompt_tokens, 1)
 
 
-def max_kv_slots_needed(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
-    """The most tokens a request can ever hold in the KV cache: its last token is sampled, never
-    computed, and it stops at max_model_len."""
-    return min(num_prompt_tokens + max_tokens - 1, max_model_len)
-
-
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from pagedserve.engine.engine_core_output import FinishReason
-from pagedserve.engine.request import Request, RequestStatus, max_kv_slots_needed
+from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.scheduler_harness import EOS, FakeWorker, assert_no_leak, check_invariants, make_scheduler
 
@@ -43,8 +43,9 @@ def _requests(rng: random.Random, num_kv_cache_slots: int) -> list[Request]:
         shared = rng.choice(prefixes)[: rng.randint(0, length)]
         prompt = shared + [rng.choice(VOCAB) for _ in range(length - len(shared))]
         max_tokens = rng.randint(1, 20)
-        # The input processor rejects a request that could outgrow the whole cache.
-        if max_kv_slots_needed(length, max_tokens, MAX_MODEL_LEN) > num_kv_cache_slots:
+        # The engine caps max_model_len to the cache, so no request can outgrow it; this small cache
+        # sits under MAX_MODEL_LEN, so skip what could (its last token is sampled, never cached).
+        if min(length + max_tokens - 1, MAX_MODEL_LEN) > num_kv_cache_slots:
             continue
         params = dict(
             max_tokens=max_tokens,
