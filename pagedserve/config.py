@@ -122,6 +122,35 @@ class DeploymentConfig(BaseModel):
     num_cpus: float = Field(
         1.0, gt=0, description="CPUs Ray reserves for each LLMServer replica; a CPU engine in the replica gets as many torch threads."
     )
+    request_router: Literal["prefix_aware", "power_of_two"] | None = Field(
+        None,
+        description="How requests pick an LLMServer replica: 'prefix_aware' (the replica whose KV cache most likely holds the "
+        "prompt's prefix, unless it is out of balance) or 'power_of_two' (Serve's default). Default: prefix_aware with more "
+        "than one replica or with autoscaling, else power_of_two.",
+    )
+    imbalanced_threshold: float = Field(
+        8.0,
+        gt=0,
+        description="prefix_aware: a replica whose load (engine requests running and waiting, plus requests routed since "
+        "its last report) exceeds the least-loaded replica's by more than this is passed over for the least-loaded one.",
+    )
+    match_rate_threshold: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="prefix_aware: the least fraction of a prompt's full KV blocks a replica must hold for the prompt to "
+        "follow its prefix; below it the request goes to the least-loaded replica.",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="prefix_aware: how often each replica reports its engine load and KV-cache evictions to the routers."
+    )
+
+    @property
+    def resolved_request_router(self) -> Literal["prefix_aware", "power_of_two"]:
+        """`request_router`, or its default for this replica count."""
+        if self.request_router is not None:
+            return self.request_router
+        return "prefix_aware" if self.num_replicas > 1 or self.autoscaling_config is not None else "power_of_two"
 
 
 class ServerConfig(BaseModel):

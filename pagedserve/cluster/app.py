@@ -41,6 +41,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         health_check_period_s=5,
         ray_actor_options={"num_cpus": options.num_cpus},
     )
+    server_options["request_router_config"] = request_router_config(config)
     if options.autoscaling_config is not None:
         server_options["autoscaling_config"] = options.autoscaling_config
     else:
@@ -63,6 +64,30 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
     digest = key_digest(api_key) if api_key else None
     return ingress.bind({config.model_name: server}, hub, limits, digest, config.max_request_body_bytes)
+
+
+def request_router_config(config: ServerConfig) -> dict[str, Any]:
+    """Serve's `request_router_config` for the LLMServer deployment: the prefix-aware router
+    with the engine's block size (so its hashes are the prefix cache's), or Serve's default
+    power of two choices. Replicas report routing stats every `routing_stats_period_s` either
+    way (they are cheap, and a router switched later finds them)."""
+    options = config.deployment
+    router = options.resolved_request_router
+    period = {"request_routing_stats_period_s": options.routing_stats_period_s}
+    if router == "power_of_two":
+        return period
+    engine = config.engine_config()
+    if not engine.enable_prefix_caching:
+        raise ValueError(
+            "deployment.request_router=prefix_aware needs engine.enable_prefix_caching=true; "
+            "set request_router: power_of_two to route without a prefix cache"
+        )
+    kwargs = {
+        "block_size": engine.block_size,
+        "imbalanced_threshold": options.imbalanced_threshold,
+        "match_rate_threshold": options.match_rate_threshold,
+    }
+    return {**period, "request_router_class": "pagedserve.cluster.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs}
 
 
 def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, float]]]:

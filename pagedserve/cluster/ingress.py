@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.llm_server import ErrorInfo, overloaded
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
+from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES, describe_validation_error
 from pagedserve.sampling_params import SamplingParams
@@ -186,6 +187,15 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
+def _renderer(handle: Any) -> PromptRenderer:
+    """Tokenization in the ingress, with the tokenizer of the engine behind `handle`."""
+
+    async def fetch_spec() -> dict[str, Any]:
+        return await handle.prompt_spec.remote()
+
+    return PromptRenderer(fetch_spec)
+
+
 def key_digest(key: str) -> str:
     """What the ingress is given instead of the key itself (see `OpenAIIngress.authorize`)."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -207,7 +217,8 @@ class OpenAIIngress:
         limits = limits or {}
         self.servers = servers  # served model name -> LLMServer handle
         self.servings = {
-            name: OpenAIServing(name, ServeEngineClient(handle), limits.get(name, RequestLimits())) for name, handle in servers.items()
+            name: OpenAIServing(name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle))
+            for name, handle in servers.items()
         }
         self.metrics_hub = metrics_hub
         own_key = os.environ.get("PAGEDSERVE_API_KEY")

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
@@ -61,6 +62,8 @@ class LLMServer:
         self.stream_interval_s = config.stream_interval_ms / 1000
         self.replica_id = str(serve.get_replica_context().replica_id)
         self.metrics_hub = metrics_hub
+        self.engine_config = engine_config
+        self.routing_stats = RoutingStatsReporter(self.llm.engine.kv_cache_manager.pool)
         self._stopped = threading.Event()
         if metrics_hub is not None:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
@@ -123,6 +126,17 @@ class LLMServer:
 
     async def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "max_model_len": self.llm.engine.model_config.max_model_len}
+
+    async def prompt_spec(self) -> dict[str, Any]:
+        """What the ingress needs to tokenize for this engine (it resolves and loads the same
+        tokenizer itself, so prompts reach the router as token ids)."""
+        config = self.engine_config
+        return {"model": config.model, "tokenizer": config.tokenizer, "revision": config.revision}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook (every deployment.routing_stats_period_s): engine load and
+        the KV cache's evictions since the last report, for the prefix-aware router."""
+        return self.routing_stats.report(self.llm.stats()).to_dict()
 
     async def is_healthy(self) -> bool:
         return self.llm.is_healthy

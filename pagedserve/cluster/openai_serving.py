@@ -68,11 +68,20 @@ class _Started:
     rest: AsyncIterator[RequestOutput | ErrorInfo]
 
 
+class PromptRenderer(Protocol):
+    async def render(self, prompt: Any) -> Any: ...
+
+
 class OpenAIServing:
-    def __init__(self, model_name: str, client: EngineClient, limits: RequestLimits = RequestLimits()):
+    def __init__(
+        self, model_name: str, client: EngineClient, limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None
+    ):
+        """`renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
+        the request router sees tokens); None: the engine tokenizes."""
         self.model_name = model_name
         self.client = client
         self.limits = limits
+        self.renderer = renderer
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -117,6 +126,11 @@ class OpenAIServing:
 
     async def _start(self, response_id: str, prompts: list[Any], params: SamplingParams) -> list[_Started]:
         """Send every prompt and wait for each first item; a refusal cancels the others."""
+        if self.renderer is not None:
+            try:
+                prompts = [await self.renderer.render(prompt) for prompt in prompts]
+            except ValueError as error:
+                raise APIError(400, str(error)) from None
         streams = [self.client.generate(f"{response_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(stream) for stream in streams))

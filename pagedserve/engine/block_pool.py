@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 BlockHash = bytes
+# Evicted blocks' routing keys kept for the replica's next routing-stats report; older ones drop
+# out (the report's eviction counter tells the router how many it missed).
+EVICTION_LOG_SIZE = 8192
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -23,6 +26,23 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     digest = hashlib.sha256(parent or b"")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Extend `hashes` (the chain of the leading full blocks of `token_ids`, maybe empty) over
+    every further full block, and return it. The engine names its cached blocks with this chain
+    and the prefix-aware router computes it from a prompt's token ids, so equal chains mean
+    blocks that can be in the cache."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        start = len(hashes) * block_size
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
+
+
+def routing_key(block_hash: BlockHash) -> int:
+    """A block hash shortened for routing state (the router's tables, eviction reports): 64
+    bits make collisions rare enough for a routing hint, which never decides what is reused."""
+    return int.from_bytes(block_hash[:8], "little")
 
 
 @dataclass(eq=False)
@@ -44,6 +64,12 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         # The prefix cache: full blocks registered under their hash (freed ones too, until evicted).
         self.registered_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Eviction reporting for prefix-aware routing: the routing keys of the latest evicted
+        # hashes (appended by the engine loop, drained by the replica's stats report; a deque's
+        # append and popleft are safe across threads), every eviction counted, and the resets.
+        self.evicted_routing_keys: deque[int] = deque(maxlen=EVICTION_LOG_SIZE)
+        self.num_evicted_blocks = 0
+        self.num_prefix_cache_resets = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,9 +123,12 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.registered_blocks.clear()
+        self.num_prefix_cache_resets += 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.registered_blocks.get(block.block_hash) is block:
                 del self.registered_blocks[block.block_hash]
+                self.evicted_routing_keys.append(routing_key(block.block_hash))
+                self.num_evicted_blocks += 1
             block.block_hash = None

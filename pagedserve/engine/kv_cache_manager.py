@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.block_pool import BlockPool, KVCacheBlock, extend_block_hashes
 from pagedserve.engine.request import Request
 
 
@@ -102,9 +102,4 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes over every full block of its known tokens."""
-        hashes, size = request.block_hashes, self.block_size
-        tokens = request.all_token_ids
-        while (len(hashes) + 1) * size <= len(tokens):
-            start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start : start + size]))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)

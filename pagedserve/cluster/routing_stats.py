@@ -1,0 +1,73 @@
+"""What an LLMServer replica tells the prefix-aware routers about itself, through Serve's routing
+stats (`record_routing_stats`, called by the controller every `routing_stats_period_s` and
+broadcast to every handle's router with the replica's info).
+
+Serve delivers only the latest report of a replica (a router that was busy sees one report in
+place of several), so the evictions ride as a cumulative count plus the keys evicted since the
+previous report: a router that missed keys knows how many it missed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.metrics import EngineStats
+
+# Keys listed in one report at most (the report travels through the controller to every
+# router); evictions beyond it are only counted.
+MAX_REPORTED_EVICTIONS = 2048
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """One replica's report: its engine load and its KV cache's evictions."""
+
+    report_index: int  # increases with every report: a router applies each report once
+    num_running: int  # engine requests being computed
+    num_waiting: int  # engine requests waiting for KV blocks or a batch slot
+    kv_cache_usage: float  # fraction of KV blocks in use (1: full)
+    num_total_blocks: int  # the cache's size: what a router remembers of this replica at most
+    num_evicted_blocks: int  # cached blocks evicted since the engine started
+    num_prefix_cache_resets: int  # whole-cache resets (a rebuilt worker group) since start
+    # Routing keys (block_pool.routing_key) of blocks evicted since the previous report.
+    evicted_routing_keys: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingStats | None:
+        """None for an empty or foreign report (a replica that has not reported yet)."""
+        try:
+            return cls(**data)
+        except TypeError:
+            return None
+
+
+class RoutingStatsReporter:
+    """The replica's side: turns engine statistics and the block pool's eviction log into
+    reports. Called on the replica's event loop while the engine loop thread runs; it only
+    pops from the pool's deque and reads counters, which is safe across threads."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.num_reports = 0
+
+    def report(self, stats: EngineStats) -> RoutingStats:
+        log = self.pool.evicted_routing_keys
+        keys = []
+        while log and len(keys) < MAX_REPORTED_EVICTIONS:
+            keys.append(log.popleft())
+        self.num_reports += 1
+        return RoutingStats(
+            report_index=self.num_reports,
+            num_running=stats.num_requests_running,
+            num_waiting=stats.num_requests_waiting,
+            kv_cache_usage=stats.kv_cache_usage_perc,
+            num_total_blocks=self.pool.num_blocks,
+            num_evicted_blocks=self.pool.num_evicted_blocks,
+            num_prefix_cache_resets=self.pool.num_prefix_cache_resets,
+            evicted_routing_keys=keys,
+        )
