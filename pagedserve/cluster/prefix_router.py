@@ -16,7 +16,7 @@ The winner goes first; the others follow as a second rank, for when the winner's
 
 Load is the engine's own: requests running and waiting and KV usage from the replica's routing
 stats (LLMServer.record_routing_stats), plus the requests this router sent it since that report
-(or Serve's count of this router's requests in flight there, if larger).
+and still running (or Serve's count of this router's requests in flight there, if larger).
 
 A replica's table holds the routing keys of the blocks this router sent it, least recently used
 first, at most as many as the replica's cache has blocks. It forgets what the replica reports
@@ -48,7 +48,9 @@ class ReplicaPrefixTable:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.stats: RoutingStats | None = None
-        self.num_sent_since_report = 0
+        # Internal ids of requests this router sent since the report and that are still running:
+        # load the report cannot show yet.
+        self.sent_since_report: set[str] = set()
 
     def num_matched(self, keys: list[int]) -> int:
         """How many of the chain's leading blocks the replica holds (the engine's own lookup
@@ -72,7 +74,7 @@ class ReplicaPrefixTable:
         if previous is not None and stats.report_index == previous.report_index:
             return
         self.stats = stats
-        self.num_sent_since_report = 0
+        self.sent_since_report.clear()
         self.capacity = max(stats.num_total_blocks, 1)
         if previous is not None and stats.num_prefix_cache_resets != previous.num_prefix_cache_resets:
             self.keys.clear()
@@ -90,7 +92,7 @@ class ReplicaPrefixTable:
         reported, usage = 0, 0.0
         if self.stats is not None:
             reported, usage = self.stats.num_running + self.stats.num_waiting, self.stats.kv_cache_usage
-        return max(reported + self.num_sent_since_report, num_in_flight) + usage
+        return max(reported + len(self.sent_since_report), num_in_flight) + usage
 
     def _trim(self, num: int) -> None:
         for _ in range(min(max(num, 0), len(self.keys))):
@@ -137,7 +139,13 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         table = self.tables.get(replica_id)
         if keys is not None and table is not None:
             table.insert(keys)
-            table.num_sent_since_report += 1
+            table.sent_since_report.add(pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        table = self.tables.get(replica_id)
+        if table is not None:
+            table.sent_since_report.discard(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """New replicas get an empty table, removed ones lose theirs; every replica's latest

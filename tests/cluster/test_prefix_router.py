@@ -101,7 +101,7 @@ def test_new_prefixes_spread_to_the_least_loaded(make_router):
     replicas = [FakeReplica("a", stats(1, running=3)), FakeReplica("b", stats(1, running=1)), FakeReplica("c", stats(1, running=2))]
     router = make_router(replicas)
     assert route(router, replicas, list(range(16)), make_router.loop) is replicas[1]
-    # b now counts the request it was sent since its report: 2, tied with c, below a.
+    # b now counts the request it was sent since its report (still running): 2, tied with c.
     assert route(router, replicas, list(range(50, 66)), make_router.loop) in (replicas[1], replicas[2])
 
 
