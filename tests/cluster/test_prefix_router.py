@@ -105,6 +105,17 @@ def test_new_prefixes_spread_to_the_least_loaded(make_router):
     assert route(router, replicas, list(range(50, 66)), make_router.loop) in (replicas[1], replicas[2])
 
 
+def test_finished_requests_stop_counting_as_load(make_router):
+    replicas = [FakeReplica("a", stats(1)), FakeReplica("b", stats(1))]
+    router = make_router(replicas)
+    first = pending(list(range(16)))
+    chosen = make_router.loop.run_until_complete(router.choose_replicas(replicas, first))[0][0]
+    router.on_request_routed(first, chosen.replica_id, None)
+    assert router.tables[chosen.replica_id].load() == 1
+    router.on_request_completed(chosen.replica_id, first.metadata.internal_request_id)
+    assert router.tables[chosen.replica_id].load() == 0
+
+
 def test_an_imbalanced_replica_is_passed_over(make_router):
     replicas = [FakeReplica("a"), FakeReplica("b")]
     router = make_router(replicas, imbalanced_threshold=4)

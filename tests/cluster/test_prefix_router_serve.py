@@ -116,3 +116,13 @@ def test_a_burst_on_one_prefix_spills_over_when_imbalanced(client, base_url):
     queries = wait_until(lambda: queries_settled(base_url, total), 30, what="the replicas' stats")
     grew = [queries[replica] - before.get(replica, 0) for replica in queries]
     assert len(grew) == 2 and min(grew) > 0, (before, queries)  # both replicas took part of the burst
+
+
+def test_ingress_tokenization_errors_stay_400s(client):
+    """The ingress templates and tokenizes now; a conversation too long for the engine is still
+    the engine's clear 400, and the server goes on serving."""
+    too_long = [{"role": "user", "content": "word " * (2 * MAX_MODEL_LEN)}]
+    with pytest.raises(openai.BadRequestError, match="max_model_len=512"):
+        client.chat.completions.create(model=MODEL, messages=too_long, max_tokens=4)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert reply.usage.completion_tokens >= 1
