@@ -9,6 +9,7 @@ previous report: a router that missed keys knows how many it missed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,16 +54,24 @@ class RoutingStatsReporter:
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
-        self.num_reports = 0
+        self.last: RoutingStats | None = None
 
     def report(self, stats: EngineStats) -> RoutingStats:
+        """The next report; the previous one again when nothing changed (an idle replica then
+        costs Serve no broadcast to every router)."""
         log = self.pool.evicted_routing_keys
         keys = []
         while log and len(keys) < MAX_REPORTED_EVICTIONS:
             keys.append(log.popleft())
-        self.num_reports += 1
+        report = self._new_report(stats, keys)
+        if self.last is not None and not keys and dataclasses.replace(report, report_index=self.last.report_index) == self.last:
+            return self.last
+        self.last = report
+        return report
+
+    def _new_report(self, stats: EngineStats, keys: list[int]) -> RoutingStats:
         return RoutingStats(
-            report_index=self.num_reports,
+            report_index=self.last.report_index + 1 if self.last is not None else 1,
             num_running=stats.num_requests_running,
             num_waiting=stats.num_requests_waiting,
             kv_cache_usage=stats.kv_cache_usage_perc,

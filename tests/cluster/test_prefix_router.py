@@ -187,7 +187,9 @@ def test_the_replica_reports_its_evictions():
     pool.allocate(1)  # evicts the least recently freed: the first block
     report = reporter.report(EngineStats())
     assert (report.evicted_routing_keys, report.num_evicted_blocks, report.num_total_blocks) == ([routing_key(hashes[0])], 1, 2)
-    assert reporter.report(EngineStats()).evicted_routing_keys == []
+    again = reporter.report(EngineStats())
+    assert again.evicted_routing_keys == [] and again.report_index == report.report_index + 1
+    assert reporter.report(EngineStats()) is again  # nothing changed: the same report, no broadcast
 
 
 def test_the_router_setting_and_its_default():
