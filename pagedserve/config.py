@@ -178,6 +178,15 @@ class DeploymentConfig(BaseModel):
             raise ValueError("set either deployment.autoscaling (on engine load) or deployment.autoscaling_config (Serve's own), not both")
         return self
 
+    @property
+    def max_num_replicas(self) -> int:
+        """The most replicas this deployment may run (what a local Ray is sized for)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas
+
     def serve_scaling_options(self) -> dict[str, Any]:
         """Serve's `num_replicas` or `autoscaling_config` for the LLMServer deployment."""
         if self.autoscaling is not None:

@@ -140,3 +140,16 @@ def test_bad_autoscaling_settings_are_named(autoscaling, message):
 def test_one_way_to_autoscale():
     with pytest.raises(ValueError, match="either deployment.autoscaling .* or deployment.autoscaling_config"):
         ServerConfig.load(overrides={"autoscaling": {}, "autoscaling_config": {"max_replicas": 2}})
+
+
+def test_the_autoscaling_flag_takes_a_json_object():
+    import argparse
+
+    from pagedserve.cli_args import add_model_arguments, given_fields
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser, DeploymentConfig)
+    given = given_fields(parser.parse_args(["--autoscaling", '{"max_replicas": 3, "target_kv_usage": 0.5}']), DeploymentConfig)
+    config = ServerConfig.load(overrides=given)
+    assert config.deployment.autoscaling == AutoscalingConfig(max_replicas=3, target_kv_usage=0.5)
+    assert config.deployment.max_num_replicas == 3
