@@ -138,3 +138,15 @@ def test_placement_is_checked_per_replica(ray_cluster):
     assert place_workers(autoscaled)[1] == bundles
     with pytest.raises(ValueError, match="8 per replica needs 9 CPUs but the Ray cluster has 8"):
         place_workers(ServerConfig(engine={"tensor_parallel_size": 8}))
+
+
+def test_the_serve_config_scales_in_the_override():
+    """configs/serve.yaml keeps the replica count out of `args` (editing it there would restart
+    every engine) and in the LLMServer's `deployments:` entry."""
+    from pathlib import Path
+
+    import yaml
+
+    [app] = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "serve.yaml").read_text())["applications"]
+    assert not {"num_replicas", "autoscaling", "autoscaling_config"} & set(app["args"].get("deployment", {}))
+    assert app["deployments"] == [{"name": "LLMServer", "num_replicas": 1}]
