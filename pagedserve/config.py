@@ -131,9 +131,14 @@ class AutoscalingConfig(BaseModel):
     metrics_interval_s: float = Field(2.0, gt=0, description="How often each replica reports its load to Serve.")
 
     @model_validator(mode="after")
-    def _bounds_are_ordered(self) -> AutoscalingConfig:
+    def _bounds_and_window_are_ordered(self) -> AutoscalingConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"autoscaling max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"autoscaling look_back_period_s ({self.look_back_period_s:g}) must be > metrics_interval_s "
+                f"({self.metrics_interval_s:g}): the window must hold more than one report"
+            )
         return self
 
     def serve_autoscaling_config(self) -> dict[str, Any]:

@@ -129,6 +129,7 @@ def test_policy_asks_for_the_replicas_the_load_needs(ctx, desired):
         ({"target_kv_usage": 1.5}, "setting 'deployment.autoscaling.target_kv_usage' (got 1.5): Input should be less than or equal to 1"),
         ({"min_replicas": 3, "max_replicas": 2}, "autoscaling max_replicas (2) must be >= min_replicas (3)"),
         ({"target_waiting": 2}, "unknown setting 'deployment.autoscaling.target_waiting'"),
+        ({"look_back_period_s": 1, "metrics_interval_s": 2}, "look_back_period_s (1) must be > metrics_interval_s (2)"),
     ],
 )
 def test_bad_autoscaling_settings_are_named(autoscaling, message):
