@@ -157,8 +157,9 @@ AUTOSCALING_POLICY_IMPORT_PATH = "pagedserve.cluster.autoscaling:EngineLoadPolic
 
 class DeploymentConfig(BaseModel):
     """Ray Serve options of the LLMServer deployment. The replica count (`num_replicas`,
-    `autoscaling`, `autoscaling_config`) is not part of a replica's arguments, so changing it
-    starts or stops only the replicas added or removed."""
+    `autoscaling`, `autoscaling_config`) is never part of a replica's arguments: changed through
+    Serve's `deployments:` override (cluster/app.py: serve_application_config), it starts or
+    stops only the replicas added or removed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

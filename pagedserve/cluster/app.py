@@ -56,8 +56,8 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     hub = serve.deployment(
         MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
     ).bind()
-    # The replicas' arguments leave the deployment options out: Serve restarts replicas whose
-    # arguments change, and the replica count (or its autoscaling) must not be among them.
+    # A replica needs no deployment options (Serve applies them), and its arguments must not
+    # depend on the deployment's scale.
     replica_config = config.model_copy(update={"deployment": DeploymentConfig()})
     server = serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(**server_options).bind(replica_config, hub, worker_bundle_indices)
     ingress = serve.deployment(
