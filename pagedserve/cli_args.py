@@ -45,8 +45,8 @@ def _flag_type(annotation: Any) -> tuple[Any, list | None]:
         return type(values[0]), values
     if annotation in (int, float, str, bool):
         return annotation, None
-    if origin is dict:
-        return _json_object, None
+    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return _json_object, None  # a nested settings object: --autoscaling '{"max_replicas": 4}'
     return str, None
 
 

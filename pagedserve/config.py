@@ -108,14 +108,69 @@ class EngineConfig(BaseModel):
             raise ValueError(describe_validation_error(error, "engine argument")) from None
 
 
-class DeploymentConfig(BaseModel):
-    """Ray Serve options of the LLMServer deployment (passed through to Serve as given)."""
+class AutoscalingConfig(BaseModel):
+    """Autoscaling the LLMServer on engine load (cluster/autoscaling.py): replicas are added while
+    requests wait for a batch slot or the KV caches fill up, and removed once the load fits in
+    fewer. The targets are per replica; Serve averages the replicas' reports over
+    `look_back_period_s` and acts once a decision has held for the up/downscale delay."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0: scale to zero when idle).")
+    max_replicas: int = Field(4, ge=1, description="Most replicas; each needs its own CPUs/GPUs.")
+    target_waiting_per_replica: float = Field(
+        2.0, gt=0, description="Requests waiting in an engine's scheduler (or at Serve's handles) per replica before adding one."
+    )
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="Fraction of each replica's KV cache in use to aim for.")
+    target_batch_usage: float = Field(
+        1.0, gt=0, le=1, description="Fraction of each replica's batch slots (max_num_seqs) running to aim for; 1: full batches hold, waiting adds."
+    )
+    upscale_delay_s: float = Field(15.0, ge=0, description="How long the load must ask for more replicas before one is added.")
+    downscale_delay_s: float = Field(300.0, ge=0, description="How long the load must fit in fewer replicas before one is removed.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the replicas' load is averaged over.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often each replica reports its load to Serve.")
+
+    @model_validator(mode="after")
+    def _bounds_and_window_are_ordered(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"autoscaling look_back_period_s ({self.look_back_period_s:g}) must be > metrics_interval_s "
+                f"({self.metrics_interval_s:g}): the window must hold more than one report"
+            )
+        return self
+
+    def serve_autoscaling_config(self) -> dict[str, Any]:
+        """Serve's `autoscaling_config` for these settings, with pagedserve's policy."""
+        policy_kwargs = {name: getattr(self, name) for name in ("target_waiting_per_replica", "target_kv_usage", "target_batch_usage")}
+        serve_fields = ("min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s")
+        return {
+            **{name: getattr(self, name) for name in serve_fields},
+            "policy": {"policy_function": AUTOSCALING_POLICY_IMPORT_PATH, "policy_kwargs": policy_kwargs},
+        }
+
+
+# cluster/autoscaling.py's policy (by import path: config.py imports nothing from the cluster layer).
+AUTOSCALING_POLICY_IMPORT_PATH = "pagedserve.cluster.autoscaling:EngineLoadPolicy"
+
+
+class DeploymentConfig(BaseModel):
+    """Ray Serve options of the LLMServer deployment. The replica count (`num_replicas`,
+    `autoscaling`, `autoscaling_config`) is never part of a replica's arguments: changed through
+    Serve's `deployments:` override (cluster/app.py: serve_application_config), it starts or
+    stops only the replicas added or removed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count (without autoscaling).")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Autoscale on engine load (waiting requests, KV-cache and batch usage); replaces num_replicas."
+    )
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Serve autoscaling (min_replicas, max_replicas, target_ongoing_requests, ...); replaces num_replicas."
+        None,
+        description="Serve's own autoscaling config, passed through as given (its default policy scales on requests "
+        "in flight, which says little about an LLM replica's load); replaces num_replicas. Prefer `autoscaling`.",
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica handles at once.")
     max_queued_requests: int = Field(-1, ge=-1, description="Requests waiting for a replica before 503s; -1: no limit.")
@@ -151,6 +206,29 @@ class DeploymentConfig(BaseModel):
         if self.request_router is not None:
             return self.request_router
         return "prefix_aware" if self.num_replicas > 1 or self.autoscaling_config is not None else "power_of_two"
+
+    @model_validator(mode="after")
+    def _one_way_to_autoscale(self) -> DeploymentConfig:
+        if self.autoscaling is not None and self.autoscaling_config is not None:
+            raise ValueError("set either deployment.autoscaling (on engine load) or deployment.autoscaling_config (Serve's own), not both")
+        return self
+
+    @property
+    def max_num_replicas(self) -> int:
+        """The most replicas this deployment may run (what a local Ray is sized for)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas
+
+    def serve_scaling_options(self) -> dict[str, Any]:
+        """Serve's `num_replicas` or `autoscaling_config` for the LLMServer deployment."""
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.serve_autoscaling_config()}
+        if self.autoscaling_config is not None:
+            return {"autoscaling_config": self.autoscaling_config}
+        return {"num_replicas": self.num_replicas}
 
 
 class ServerConfig(BaseModel):

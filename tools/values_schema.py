@@ -20,8 +20,22 @@ OVERRIDES = {"api_key": {"anyOf": [{"type": "string"}, {"type": "null"}], "descr
 
 def field_schemas(model: type[BaseModel], skip: tuple[str, ...] = ()) -> dict:
     """Each field's JSON schema as pydantic writes it, without titles and defaults (values.yaml has those)."""
-    properties = model.model_json_schema()["properties"]
+    schema = model.model_json_schema()
+    properties = inline_refs(schema["properties"], schema.get("$defs", {}))
     return {name: {k: v for k, v in schema.items() if k not in ("title", "default")} for name, schema in properties.items() if name not in skip}
+
+
+def inline_refs(node, defs: dict):
+    """A nested model's schema in place of pydantic's `$ref` to `$defs` (the values schema has no
+    `$defs`), without its title."""
+    if isinstance(node, list):
+        return [inline_refs(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].removeprefix("#/$defs/")]
+        return inline_refs({k: v for k, v in target.items() if k != "title"}, defs)
+    return {key: inline_refs(value, defs) for key, value in node.items()}
 
 
 def server_properties(existing: dict) -> dict:

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.config import ServerConfig
+from pagedserve.config import DeploymentConfig, ServerConfig
 
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.
 INGRESS_MAX_ONGOING_REQUESTS = 10_000
+
+IMPORT_PATH = "pagedserve.cluster.app:build_app"
+SERVER_DEPLOYMENT = "LLMServer"
+SCALE_FIELDS = ("num_replicas", "autoscaling", "autoscaling_config")  # DeploymentConfig's; see serve_application_config
 
 
 def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
@@ -40,12 +44,9 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         graceful_shutdown_timeout_s=config.graceful_shutdown_s,
         health_check_period_s=5,
         ray_actor_options={"num_cpus": options.num_cpus},
+        **options.serve_scaling_options(),
     )
     server_options["request_router_config"] = request_router_config(config)
-    if options.autoscaling_config is not None:
-        server_options["autoscaling_config"] = options.autoscaling_config
-    else:
-        server_options["num_replicas"] = options.num_replicas
     worker_bundle_indices: tuple[int, ...] = ()
     if worker_bundles:
         # The one place the layout is decided: the replica, then its ranks in order.
@@ -56,7 +57,10 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     hub = serve.deployment(
         MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
     ).bind()
-    server = serve.deployment(LLMServer, name="LLMServer").options(**server_options).bind(config, hub, worker_bundle_indices)
+    # A replica needs no deployment options (Serve applies them), and its arguments must not
+    # depend on the deployment's scale.
+    replica_config = config.model_copy(update={"deployment": DeploymentConfig()})
+    server = serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(**server_options).bind(replica_config, hub, worker_bundle_indices)
     ingress = serve.deployment(
         OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
     )
@@ -90,6 +94,19 @@ def request_router_config(config: ServerConfig) -> dict[str, Any]:
     return {**period, "request_router_class": "pagedserve.cluster.prefix_router:PrefixAwareRouter", "request_router_kwargs": kwargs}
 
 
+def serve_application_config(config: ServerConfig, name: str, route_prefix: str = "/") -> dict[str, Any]:
+    """This server as an entry of a Serve config's `applications:` (what `serve deploy` and
+    KubeRay's serveConfigV2 take). The replica count goes in Serve's `deployments:` override,
+    not in `args`: Serve restarts every replica of an app whose args change (they are part of
+    its code version), while a changed override only starts or stops the replicas added or
+    removed. Edit the override to scale."""
+    args = config.model_dump(mode="json", exclude_unset=True)
+    deployment = {key: value for key, value in args.get("deployment", {}).items() if key not in SCALE_FIELDS}
+    args = {**args, "deployment": deployment} if deployment else {k: v for k, v in args.items() if k != "deployment"}
+    override = {"name": SERVER_DEPLOYMENT, **config.deployment.serve_scaling_options()}
+    return {"name": name, "route_prefix": route_prefix, "import_path": IMPORT_PATH, "args": args, "deployments": [override]}
+
+
 def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, float]]]:
     """Decide where the engine's ranks run, and check the cluster can hold them (before any
     actor starts). Returns the config with the executor backend set, and the worker bundles."""
@@ -101,15 +118,15 @@ def place_workers(config: ServerConfig) -> tuple[ServerConfig, list[dict[str, fl
     if not use_gpu and engine.world_size == 1:
         return config, []  # one CPU rank: the replica runs it itself
     kind = "GPU" if use_gpu else "CPU"
-    replicas = config.deployment.num_replicas
-    if config.deployment.autoscaling_config is not None:
-        replicas = int(config.deployment.autoscaling_config.get("min_replicas", 1))
-    needed = engine.world_size * max(replicas, 1) + (config.deployment.num_cpus * max(replicas, 1) if kind == "CPU" else 0)
+    # Checked per replica: the replica count changes without a rebuild (Serve's `deployments:`
+    # override, autoscaling), and replicas beyond what the cluster holds now wait for nodes
+    # (Ray's autoscaler adds them) instead of failing the deploy.
+    needed = engine.world_size + (config.deployment.num_cpus if kind == "CPU" else 0)
     available = resources.get(kind, 0)
     if available < needed:
         raise ValueError(
-            f"tensor_parallel_size x pipeline_parallel_size = {engine.world_size} per replica x {max(replicas, 1)} "
-            f"replica(s) needs {needed:g} {kind}s but the Ray cluster has {available:g}"
+            f"tensor_parallel_size x pipeline_parallel_size = {engine.world_size} per replica needs {needed:g} {kind}s "
+            f"but the Ray cluster has {available:g} (a cluster that autoscales must hold one replica when the app deploys)"
         )
     engine_args = {**config.engine, "distributed_executor_backend": "ray", "device": "cuda" if use_gpu else "cpu"}
     config = config.model_copy(update={"engine": engine_args})

@@ -28,7 +28,7 @@ def serve_forever(config: ServerConfig) -> int:
 
     config.resolve_api_key()  # a key file that is missing or empty stops us before Ray starts
     # Each replica takes a CPU slot, and so does each rank of a CPU engine.
-    replicas = config.deployment.num_replicas
+    replicas = config.deployment.max_num_replicas
     started_ray = ensure_ray_initialized(replicas * (1 + config.engine_config().world_size))
     try:
         # After ray.init (which installs its own SIGTERM handler) and before the app can answer: a

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
@@ -148,6 +149,16 @@ class LLMServer:
 
     def stats(self) -> EngineStats:
         return self.llm.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for custom autoscaling metrics: the engine's load, which
+        autoscaling.EngineLoadPolicy turns into a replica count."""
+        stats = self.llm.stats()
+        return {
+            NUM_WAITING_METRIC: float(stats.num_requests_waiting),
+            KV_USAGE_METRIC: stats.kv_cache_usage_perc,
+            BATCH_USAGE_METRIC: stats.num_requests_running / self.llm.config.max_num_seqs,
+        }
 
     def _report_stats(self) -> None:
         while not self._stopped.wait(STATS_REPORT_INTERVAL_S):

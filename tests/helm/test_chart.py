@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pagedserve.config import DeploymentConfig, EngineConfig, ServerConfig
+from pagedserve.cluster.app import SCALE_FIELDS, serve_application_config
 from tests.helm.conftest import CHART, CI_VALUES, REPO, one, pod_templates, render, run_helm, serve_config
 
 CRD = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
@@ -95,8 +96,13 @@ def test_serve_config_is_the_server_values(rendered, name):
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())["server"]
     given = yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text())["server"]
-    assert app.args == merged(defaults, given)  # exactly the values: nothing added, nothing lost
-    ServerConfig(**app.args)
+    values = merged(defaults, given)
+    ServerConfig(**values)
+    # The values, nothing added or lost, with the replica count moved into Serve's `deployments:`
+    # override (a scale edit then restarts nothing), exactly as serve_application_config puts it.
+    expected = serve_application_config(ServerConfig(**values), "pagedserve")
+    assert config["applications"] == [expected]
+    assert app.args == {**values, "deployment": {k: v for k, v in values["deployment"].items() if k not in SCALE_FIELDS}}
 
 
 def merged(defaults: dict, given: dict) -> dict:

@@ -45,8 +45,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
-{{/* serveConfigV2: one application whose args are exactly the `server:` values. */}}
+{{/* serveConfigV2: one application whose args are the `server:` values except the replica count,
+which goes in Serve's `deployments:` override (as pagedserve.cluster.app.serve_application_config
+writes it): Serve restarts every replica of an app whose args change, while a changed override
+only starts or stops the replicas added or removed. */}}
 {{- define "pagedserve.serveConfig" -}}
+{{- $server := deepCopy .Values.server -}}
+{{- $deployment := default dict $server.deployment -}}
+{{- $scale := include "pagedserve.scale" $deployment | fromYaml -}}
+{{- range list "num_replicas" "autoscaling" "autoscaling_config" -}}
+{{- $_ := unset $deployment . -}}
+{{- end -}}
+{{- if $deployment -}}
+{{- $_ := set $server "deployment" $deployment -}}
+{{- else -}}
+{{- $_ := unset $server "deployment" -}}
+{{- end -}}
 proxy_location: EveryNode
 http_options:
   host: 0.0.0.0
@@ -56,7 +70,30 @@ applications:
     route_prefix: /
     import_path: pagedserve.cluster.app:build_app
     args:
-      {{- toYaml .Values.server | nindent 6 }}
+      {{- toYaml $server | nindent 6 }}
+    deployments:
+      - name: LLMServer
+        {{- toYaml $scale | nindent 8 }}
+{{- end -}}
+
+{{/* The LLMServer's Serve scale options from server.deployment (DeploymentConfig.serve_scaling_options):
+`autoscaling` becomes Serve's autoscaling_config with pagedserve's engine-load policy; the
+defaults are AutoscalingConfig's (tests/helm checks the two agree). */}}
+{{- define "pagedserve.scale" -}}
+{{- if .autoscaling -}}
+{{- $given := .autoscaling -}}
+{{- $settings := dict "min_replicas" 1 "max_replicas" 4 "upscale_delay_s" 15.0 "downscale_delay_s" 300.0 "look_back_period_s" 10.0 "metrics_interval_s" 2.0 -}}
+{{- $targets := dict "target_waiting_per_replica" 2.0 "target_kv_usage" 0.8 "target_batch_usage" 1.0 -}}
+{{- range $name, $value := $given -}}
+{{- if hasKey $targets $name -}}{{- $_ := set $targets $name $value -}}{{- else -}}{{- $_ := set $settings $name $value -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $settings "policy" (dict "policy_function" "pagedserve.cluster.autoscaling:EngineLoadPolicy" "policy_kwargs" $targets) -}}
+{{- toYaml (dict "autoscaling_config" $settings) -}}
+{{- else if .autoscaling_config -}}
+{{- toYaml (dict "autoscaling_config" .autoscaling_config) -}}
+{{- else -}}
+{{- toYaml (dict "num_replicas" (default 1 .num_replicas)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Environment of every Ray container: secrets by reference only, never their values. */}}

@@ -21,6 +21,9 @@
 {{- if $deployment.autoscaling_config -}}
 {{- $replicas = int (default 1 $deployment.autoscaling_config.max_replicas) -}}
 {{- $source = "server.deployment.autoscaling_config.max_replicas" -}}
+{{- else if $deployment.autoscaling -}}
+{{- $replicas = int (default 4 $deployment.autoscaling.max_replicas) -}}
+{{- $source = "server.deployment.autoscaling.max_replicas" -}}
 {{- end -}}
 {{- $needed := mul $world $replicas -}}
 {{- if gt $needed $capacity -}}
