@@ -23,6 +23,7 @@ INGRESS_MAX_ONGOING_REQUESTS = 10_000
 def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     from ray import serve
 
+    from pagedserve.cluster.handover import router_config
     from pagedserve.cluster.ingress import OpenAIIngress, key_digest
     from pagedserve.cluster.llm_server import LLMServer
     from pagedserve.cluster.metrics_hub import MetricsHub
@@ -40,6 +41,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         graceful_shutdown_timeout_s=config.graceful_shutdown_s,
         health_check_period_s=5,
         ray_actor_options={"num_cpus": options.num_cpus},
+        request_router_config=router_config(),  # hands a leaving replica's streams over
     )
     if options.autoscaling_config is not None:
         server_options["autoscaling_config"] = options.autoscaling_config
