@@ -195,7 +195,14 @@ class ResumingClient:
         """One engine request's items, until it ends or (yielding HANDED_OVER) its replica leaves."""
         loop = asyncio.get_running_loop()
         leaving = asyncio.Event()
-        self.registry.watch(engine_id, lambda: loop.call_soon_threadsafe(leaving.set))
+
+        def on_leaving() -> None:  # called from the router's thread
+            try:
+                loop.call_soon_threadsafe(leaving.set)
+            except RuntimeError:  # this event loop is closed: nobody reads the stream any more
+                pass
+
+        self.registry.watch(engine_id, on_leaving)
         stream = self.client.generate(engine_id, prompt, params, resume)
         leaving_wait = asyncio.ensure_future(leaving.wait())
         try:
