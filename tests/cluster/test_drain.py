@@ -102,11 +102,13 @@ async def run_all(base_url: str, disturb=None, calls: list | None = None) -> lis
         started = [asyncio.Event() for _ in range(NUM_STREAMS)]
         calls += [asyncio.ensure_future(one(client, i, event)) for i, event in enumerate(started)]
         calls += [asyncio.ensure_future(one(client, i, None)) for i in range(2)]
-        if disturb is not None:
-            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=180)
-            num_in_flight = await asyncio.to_thread(disturb, lambda: sum(not call.done() for call in calls))
-            assert num_in_flight >= NUM_STREAMS // 2, f"only {num_in_flight} requests were in flight when a replica left"
-        return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
+        if disturb is None:
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=180)
+        num_in_flight = await asyncio.to_thread(disturb, lambda: sum(not call.done() for call in calls))
+        results = await asyncio.wait_for(asyncio.gather(*calls), timeout=300)  # a failed request raises here
+        assert num_in_flight >= NUM_STREAMS // 2, f"only {num_in_flight} requests were in flight when a replica left"
+        return results
 
 
 async def run_waves(base_url: str, change) -> tuple[list[list[tuple[str, int, int]]], int]:
