@@ -78,8 +78,8 @@ def request_router_config(config: ServerConfig) -> dict[str, Any]:
     options = config.deployment
     router = options.resolved_request_router
     period = {"request_routing_stats_period_s": options.routing_stats_period_s}
-    if router == "power_of_two":
-        return period
+    if router == "power_of_two":  # Serve's default choice, with the handover (cluster/handover.py)
+        return {**period, "request_router_class": "pagedserve.cluster.handover:PowerOfTwoRouter"}
     engine = config.engine_config()
     if not engine.enable_prefix_caching:
         raise ValueError(

@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.cluster.llm_server import ErrorInfo, overloaded
+from pagedserve.cluster.handover import is_stopped_by_serve
+from pagedserve.cluster.llm_server import ErrorInfo, Handover, overloaded
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
@@ -156,17 +157,20 @@ class ServeEngineClient:
     def __init__(self, handle: Any):
         self.handle = handle.options(stream=True)
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, resume: Any = None) -> AsyncIterator[Any]:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
-        responses = self.handle.generate.remote(request_id, prompt, params)
+        responses = self.handle.generate.remote(request_id, prompt, params, resume)
         try:
             async for item in responses:
                 yield item
         except BackPressureError:
             yield overloaded("the server is overloaded: too many requests are queued; retry later")
         except RayActorError as error:  # the replica's process died (a crash, a lost node)
+            if is_stopped_by_serve(error):  # stopped, not crashed: another replica goes on
+                yield Handover()
+                return
             logger.warning("request %s lost its LLMServer replica: %s", request_id, type(error).__name__)
             yield overloaded("the engine replica serving this request died; retry later")
         finally:

@@ -21,6 +21,7 @@ from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
+from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
@@ -41,6 +42,14 @@ class ErrorInfo:
     type: str = "BadRequestError"
     param: str | None = None
     retry_after_s: int | None = None  # an overload: the client may retry after this long
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A stream's last item when its replica stopped serving it (Serve stopped the replica):
+    the ingress goes on with the request on another replica (cluster/handover.py)."""
+
+    replica_id: str | None = None  # the replica that stopped, when known
 
 
 def overloaded(message: str) -> ErrorInfo:
@@ -69,12 +78,15 @@ class LLMServer:
         if metrics_hub is not None:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput | ErrorInfo]:
-        """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}."""
+    async def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
+    ) -> AsyncIterator[RequestOutput | ErrorInfo]:
+        """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}.
+        `resume`: what the client already has of a request another replica began (handover.py)."""
         try:
             if isinstance(prompt, dict) and "messages" in prompt:
                 prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
-            outputs = self.llm.generate(prompt, params, request_id)
+            outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
             try:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagedserve.cluster import openai_format as fmt
-from pagedserve.cluster.llm_server import ErrorInfo
+from pagedserve.cluster.handover import ResumingClient
+from pagedserve.cluster.llm_server import ErrorInfo, Handover
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.engine.engine_core_output import FinishReason
+from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -57,7 +59,9 @@ class RequestLimits:
 
 
 class EngineClient(Protocol):
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput | ErrorInfo]: ...
+    def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
+    ) -> AsyncIterator[RequestOutput | ErrorInfo | Handover]: ...
 
 
 @dataclass
@@ -79,7 +83,8 @@ class OpenAIServing:
         """`renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
         the request router sees tokens); None: the engine tokenizes."""
         self.model_name = model_name
-        self.client = client
+        # Streams whose replica leaves (a downscale, a redeploy, a drain) go on on another.
+        self.client = ResumingClient(client)
         self.limits = limits
         self.renderer = renderer
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagedserve.cluster.handover import HandoverMixin
 from pagedserve.cluster.routing_stats import RoutingStats
 from pagedserve.engine.block_pool import extend_block_hashes, routing_key
 
@@ -99,9 +100,10 @@ class ReplicaPrefixTable:
             self.keys.popitem(last=False)
 
 
-class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAwareRouter(HandoverMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     """Serve's `request_router_class` for LLMServer (see the module docstring). Every hook it
-    overrides calls super(), so other mixins compose with it."""
+    overrides calls super(), so other mixins compose with it; `HandoverMixin` (first) hands a
+    leaving replica's streams over."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedserve.config import EngineConfig, WorkerPlacement
-from pagedserve.engine.input_processor import ProcessedPrompt, PromptType
+from pagedserve.engine.input_processor import ProcessedPrompt, PromptType, ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
@@ -132,7 +132,9 @@ class AsyncLLM:
             return f"an engine step has been running for {time.monotonic() - started:.0f} s (step_timeout_s={self.config.step_timeout_s:g})"
         return self.engine.dead_reason or (None if self._thread.is_alive() else "the engine loop has stopped")
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, resume: ResumeState | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Bad input raises ValueError before the
         first output; a full waiting queue raises EngineOverloadedError; a dead or stopping
         engine raises EngineDeadError (also mid-stream). Leaving the iteration early (a client
@@ -140,7 +142,7 @@ class AsyncLLM:
         self._raise_if_dead()
         if sampling_params.n > self.config.max_n:
             raise ValueError(f"n={sampling_params.n} exceeds the engine's max_n={self.config.max_n}")
-        processed = self.engine.input_processor.process(prompt, sampling_params)
+        processed = self.engine.input_processor.process(prompt, sampling_params, resume)  # resume: see ResumeState
         stream = _Stream(asyncio.get_running_loop(), sampling_params.output_kind)
         with self._lock:
             self._raise_if_dead()  # the loop died or shutdown began after the check above

@@ -46,6 +46,16 @@ class IncrementalDetokenizer:
                 self._decode_last()
         return self._find_stop_string(start) if self.stop else None
 
+    def replay(self, token_ids: list[int], num_sent_chars: int) -> None:
+        """Rebuild the state after `token_ids` (a resumed request's earlier outputs) of which
+        the client saw the first `num_sent_chars` characters: the same text, offsets and
+        stop-string window an undisturbed run would have now."""
+        if self.update(token_ids, stop_terminated=False) is not None:
+            raise ValueError("the resumed outputs already contain a stop string: that request had finished")
+        if num_sent_chars > len(self.output_text):
+            raise ValueError(f"num_sent_chars={num_sent_chars} is more than the {len(self.output_text)} characters the resumed outputs decode to")
+        self.num_sent_chars = num_sent_chars
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show now. While running, the last `stop_buffer_length` characters are held
         back: they may be the start of a stop string that must not be shown."""

@@ -8,16 +8,29 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
 PromptType = Union[str, dict]
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """A request that another replica began and had to hand over (it was stopping): what its
+    client already received. The request goes on from there as if undisturbed: these tokens
+    count as outputs, not prompt (max_tokens, penalties and per-position seeds hold), and only
+    text past `num_sent_chars` is emitted. Only streams (DELTA outputs) with n == 1 resume."""
+
+    output_token_ids: list[int]  # the tokens the client received, in order
+    num_sent_chars: int  # characters of their text the client received (the rest was held back)
+    cumulative_logprob: float | None = None  # the sum so far, when the request asked for logprobs
 
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    resume: ResumeState | None = None  # set for a request handed over from another replica
 
 
 class InputProcessor:
@@ -28,12 +41,15 @@ class InputProcessor:
         self.engine_config = engine_config
         self.model_config = model_config
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, params: SamplingParams, resume: ResumeState | None = None) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         processed = self._tokenize(prompt)
         self._check_prompt(processed.prompt_token_ids)
         self._check_params(params)
+        if resume is not None:
+            self._check_resume(resume, len(processed.prompt_token_ids), params)
+            processed.resume = resume
         return processed
 
     def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
@@ -77,3 +93,20 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_resume(self, resume: ResumeState, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A resumed request must still have a token to generate, inside every limit."""
+        if params.n != 1 or params.output_kind != RequestOutputKind.DELTA:
+            raise ValueError(f"only a stream (DELTA outputs) with n=1 can resume; got n={params.n}, output_kind={params.output_kind.name}")
+        token_ids = self._token_ids(resume.output_token_ids)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resumed output token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if resume.num_sent_chars < 0:
+            raise ValueError(f"num_sent_chars={resume.num_sent_chars} must be >= 0")
+        max_len = self.model_config.max_model_len
+        if num_prompt_tokens + len(token_ids) >= max_len:
+            raise ValueError(f"the prompt and the {len(token_ids)} resumed outputs reach max_model_len={max_len}: nothing is left to generate")
+        if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(token_ids)} resumed outputs reach max_tokens={params.max_tokens}: nothing is left to generate")

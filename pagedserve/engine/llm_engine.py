@@ -103,10 +103,12 @@ class LLMEngine:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time)
+        resume = processed.resume
+        children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time, resume)
         for child_id, child_params in children:
             request = Request(
-                child_id, processed.prompt_token_ids, child_params, self.eos_token_ids, self.model_config.max_model_len, arrival_time
+                child_id, processed.prompt_token_ids, child_params, self.eos_token_ids, self.model_config.max_model_len, arrival_time,
+                resume.output_token_ids if resume is not None else (),
             )
             self.scheduler.add_request(request)
 

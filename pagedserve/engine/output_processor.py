@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.model_runner_output import TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -66,6 +67,16 @@ class RequestState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.num_sent_tokens = 0  # for DELTA outputs
 
+    def replay(self, resume: ResumeState) -> None:
+        """Take over a request another replica began: its tokens so far rebuild the detokenizer
+        (offsets, stop-string window), and count as sent, as is the text its client received."""
+        self.token_ids = list(resume.output_token_ids)
+        self.num_sent_tokens = len(self.token_ids)
+        if self.logprobs is not None:  # the client has these; only their count matters here
+            self.logprobs = [{} for _ in self.token_ids]
+            self.cumulative_logprob = resume.cumulative_logprob or 0.0
+        self.detokenizer.replay(self.token_ids, resume.num_sent_chars)
+
     def completion(self, finish: Finish | None) -> CompletionOutput:
         finished = finish is not None
         delta = self.params.output_kind == RequestOutputKind.DELTA
@@ -91,20 +102,26 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}  # by user request id
         self._token_text: dict[int, str] = {}  # decoded single tokens, for logprobs
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> list[tuple[str, SamplingParams]]:
-        """Register a user request; returns the (child id, params) to schedule."""
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+        resume: ResumeState | None = None,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a user request; returns the (child id, params) to schedule. A resumed one
+        (n == 1, checked by the input processor) starts from what its client already has."""
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time))
-        self.parents[request_id] = parent
-        children = []
+        states: dict[str, RequestState] = {}
         for index in range(params.n):
             child_id = request_id if params.n == 1 else child_request_id(request_id, index)
             child_params = params if params.n == 1 else params.for_child(index)
             detok = IncrementalDetokenizer(self.tokenizer, self.vocab_size, prompt_token_ids, child_params)
-            self.states[child_id] = RequestState(parent, index, child_params, detok)
-            children.append((child_id, child_params))
-        return children
+            states[child_id] = RequestState(parent, index, child_params, detok)
+            if resume is not None:
+                states[child_id].replay(resume)  # may refuse it: nothing is registered yet
+        self.parents[request_id] = parent
+        self.states.update(states)
+        return [(child_id, state.params) for child_id, state in states.items()]
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)

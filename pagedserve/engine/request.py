@@ -56,15 +56,19 @@ class Request:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         arrival_time: float | None = None,
+        resumed_output_token_ids: list[int] = (),
     ):
+        """`resumed_output_token_ids`: outputs another replica generated before it handed the
+        request over; they count as outputs (max_tokens, penalties, seeds), and the prefill
+        recomputes their K/V along with the prompt's."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(resumed_output_token_ids)
+        self.all_token_ids: list[int] = [*prompt_token_ids, *resumed_output_token_ids]
         self.num_computed_tokens = 0
         self.max_tokens = resolve_max_tokens(sampling_params, len(prompt_token_ids), max_model_len)
         self.stop_token_id: int | None = None  # the one of stop_token_ids that ended it

@@ -1,0 +1,154 @@
+"""A drain that hands streams over (cluster/handover.py): when an LLMServer replica is removed
+mid-stream (a downscale, a redeploy), every stream and every whole request in flight finishes on
+another replica, equal to an undisturbed run, with no error, no gap and no repeated text.
+
+Two replicas of the tiny Llama, a short grace period (2 s: a stream left on a stopping replica
+would be cut), greedy and seeded sampling, the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.cluster.conftest import wait_until
+
+APP = "drainy"
+NUM_STREAMS = 8
+MAX_TOKENS = 200  # long enough to be in flight when the replica leaves
+PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", "In a hole in the ground"]
+
+
+def apply(model_dir, num_replicas: int, in_flight=lambda: 0, version: str = "1") -> int:
+    """Deploy through Serve's declarative config (what `serve deploy` and KubeRay's REST PUT
+    send): a change of `deployments:`' num_replicas alone scales; a change of its actor options
+    (here an environment variable naming the `version`) makes a new LLMServer version.
+    Returns once the application runs with that many LLMServer replicas and no others, and
+    `in_flight()` as it was when the replicas first changed (a redeploy stops one old replica
+    while it starts a new one, then the other once the new one runs)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    args = {"model": str(model_dir), "served_model_name": APP, "graceful_shutdown_s": 2.0, "engine": {"max_model_len": 512}}
+    server = {"name": "LLMServer", "num_replicas": num_replicas,
+              "ray_actor_options": {"num_cpus": 1, "runtime_env": {"env_vars": {"DRAIN_TEST_VERSION": version}}}}
+    app = {"name": APP, "route_prefix": f"/{APP}", "import_path": "pagedserve.cluster.app:build_app", "args": args, "deployments": [server]}
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    before = llm_replica_states()
+    num_in_flight = None
+
+    def settled() -> bool:
+        nonlocal num_in_flight
+        states = llm_replica_states()
+        if num_in_flight is None and states != before:
+            num_in_flight = in_flight()
+        return states == {"RUNNING": num_replicas}
+
+    wait_until(settled, timeout=300, interval=0.1, what=f"{num_replicas} LLMServer replicas", details=lambda: str(llm_replica_states()))
+    return num_in_flight
+
+
+def llm_replica_states() -> dict[str, int]:
+    from ray import serve
+
+    status = serve.status().applications.get(APP)
+    if status is None or status.status != "RUNNING" or "LLMServer" not in status.deployments:
+        return {}
+    return {str(state.value if hasattr(state, "value") else state): n for state, n in status.deployments["LLMServer"].replica_states.items() if n}
+
+
+def sampling(i: int) -> dict:
+    """Half greedy, half seeded sampling; completions and chat alternate."""
+    if i % 2 == 0:
+        return {"temperature": 0.0}
+    return {"temperature": 1.0, "top_p": 0.95, "seed": 100 + i, "frequency_penalty": 0.3}
+
+
+async def one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event | None) -> tuple[str, int, int]:
+    """(text, prompt_tokens, completion_tokens) of request i; streamed unless `started` is None."""
+    common = {"model": APP, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}, **sampling(i)}
+    prompt = PROMPTS[i % len(PROMPTS)]
+    is_chat = i % 4 >= 2
+    if started is None:
+        if is_chat:
+            body = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+            return body.choices[0].message.content, body.usage.prompt_tokens, body.usage.completion_tokens
+        body = await client.completions.create(prompt=prompt, **common)
+        return body.choices[0].text, body.usage.prompt_tokens, body.usage.completion_tokens
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    if is_chat:
+        response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common, **options)
+    else:
+        response = await client.completions.create(prompt=prompt, **common, **options)
+    parts, usage = [], None
+    async for chunk in response:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            parts.append((choice.delta.content if is_chat else choice.text) or "")
+            started.set()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage.prompt_tokens, usage.completion_tokens
+
+
+async def run_all(base_url: str, disturb=None, calls: list | None = None) -> list[tuple[str, int, int]]:
+    """NUM_STREAMS streams and two whole requests (their futures also go into `calls`).
+    `disturb(in_flight)` runs (in a thread) once every stream has text; it returns how many
+    requests were in flight when the replicas first changed: most of them, or the test tests
+    nothing."""
+    calls = [] if calls is None else calls
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+        calls += [asyncio.ensure_future(one(client, i, event)) for i, event in enumerate(started)]
+        calls += [asyncio.ensure_future(one(client, i, None)) for i in range(2)]
+        if disturb is None:
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=180)
+        num_in_flight = await asyncio.to_thread(disturb, lambda: sum(not call.done() for call in calls))
+        results = await asyncio.wait_for(asyncio.gather(*calls), timeout=300)  # a failed request raises here
+        assert num_in_flight >= NUM_STREAMS // 2, f"only {num_in_flight} requests were in flight when a replica left"
+        return results
+
+
+async def run_waves(base_url: str, change) -> tuple[list[list[tuple[str, int, int]]], int]:
+    """Waves of run_all, one after another, for as long as `change(in_flight)` runs in a thread
+    (a redeploy first builds the application, for a time no test can know): the waves' results,
+    and how many requests were in flight when the replicas first changed."""
+    calls: list = []
+    changing = asyncio.ensure_future(asyncio.to_thread(change, lambda: sum(not call.done() for call in calls)))
+    waves = []
+    while not changing.done():
+        calls.clear()
+        waves.append(await run_all(base_url, calls=calls))
+    return waves, await changing
+
+
+@pytest.fixture(scope="module")
+def drain_url(serve_url, model_dirs):
+    from ray import serve
+
+    apply(model_dirs["llama"], 2)
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(drain_url):
+    return asyncio.run(run_all(drain_url))
+
+
+def test_scale_down_mid_stream_hands_streams_over(drain_url, undisturbed, model_dirs):
+    results = asyncio.run(run_all(drain_url, lambda in_flight: apply(model_dirs["llama"], 1, in_flight)))
+    assert results == undisturbed  # text, prompt and completion tokens: as if undisturbed
+
+
+def test_redeploy_mid_stream_hands_streams_over(drain_url, undisturbed, model_dirs):
+    """A new LLMServer version (changed actor options) replaces both replicas mid-stream:
+    Serve stops one old replica while it starts a new one, then the other old one once the new
+    one runs; requests keep coming throughout."""
+    apply(model_dirs["llama"], 2)
+    redeploy = lambda in_flight: apply(model_dirs["llama"], 2, in_flight, version="2")  # noqa: E731
+    waves, num_in_flight = asyncio.run(run_waves(drain_url, redeploy))
+    assert num_in_flight >= 1, "no request was in flight when the first old replica stopped"
+    assert waves and all(results == undisturbed for results in waves)
