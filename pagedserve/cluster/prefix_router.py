@@ -100,10 +100,9 @@ class ReplicaPrefixTable:
             self.keys.popitem(last=False)
 
 
-class PrefixAwareRouter(HandoverMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    """Serve's `request_router_class` for LLMServer (see the module docstring). Every hook it
-    overrides calls super(), so other mixins compose with it; `HandoverMixin` (first) hands a
-    leaving replica's streams over."""
+class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
+    """The prefix-aware choice (see the module docstring). Every hook it overrides calls super(),
+    so other mixins compose with it."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -201,3 +200,8 @@ class PrefixAwareRouter(HandoverMixin, LocalityMixin, MultiplexMixin, RequestRou
             while len(self._chains) > MAX_CACHED_CHAINS:
                 self._chains.popitem(last=False)
         return keys
+
+
+class PrefixAwareRouter(HandoverMixin, PrefixRouting):
+    """Serve's `request_router_class` for LLMServer: prefix-aware routing, and the handover of a
+    leaving replica's streams (cluster/handover.py) around it."""
