@@ -10,9 +10,10 @@ Per request (`choose_replicas`):
 1. For each replica, the number of the prompt's leading full blocks it holds (its table below).
 2. The best-matching replica wins, unless its match covers less than `match_rate_threshold` of
    the prompt's blocks, or its load exceeds the least-loaded replica's by more than
-   `imbalanced_threshold`; then the least-loaded replica wins (ties at random).
+   `imbalanced_threshold`; then the least-loaded replicas (by engine requests) are the choice,
+   and among them Serve's own pick takes the one with the fewest requests in flight.
 3. Calls that carry no token ids (model_card, tokenize, ...) use Serve's power of two choices.
-The winner goes first; the others follow as a second rank, for when the winner's queue is full.
+The chosen rank goes first; the other replicas follow as a second rank, for when its queues are full.
 
 Load is the engine's own: requests running and waiting and KV usage from the replica's routing
 stats (LLMServer.record_routing_stats), plus the requests this router sent it since that report
@@ -130,8 +131,8 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # routing sets this on the power-of-two path).
         pending_request.routing_context.should_backoff = True
         chosen = self.choose(candidate_replicas, keys)
-        others = [replica for replica in candidate_replicas if replica.replica_id != chosen.replica_id]
-        return [[chosen], others] if others else [[chosen]]
+        others = [replica for replica in candidate_replicas if replica not in chosen]
+        return [chosen, others] if others else [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -167,18 +168,22 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     # ---- the choice --------------------------------------------------------------------------
 
-    def choose(self, candidates: list[RunningReplica], keys: list[int]) -> RunningReplica:
-        """The replica for a prompt whose full blocks have these routing keys."""
+    def choose(self, candidates: list[RunningReplica], keys: list[int]) -> list[RunningReplica]:
+        """The first rank for a prompt whose full blocks have these routing keys: the replica
+        holding its prefix, or else the least-loaded ones (requests, ignoring the KV-usage
+        fraction), among which Serve takes the one with the fewest requests in flight."""
         tables = [self.tables.setdefault(replica.replica_id, ReplicaPrefixTable()) for replica in candidates]
         loads = [table.load(self._num_in_flight(replica)) for replica, table in zip(candidates, tables)]
         lowest = min(loads)
         if keys:
             matched = [table.num_matched(keys) for table in tables]
-            best = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
+            best = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i], random.random()))
             is_long_enough = matched[best] > 0 and matched[best] / len(keys) >= self.match_rate_threshold
             if is_long_enough and loads[best] - lowest <= self.imbalanced_threshold:
-                return candidates[best]
-        return random.choice([replica for replica, load in zip(candidates, loads) if load == lowest])
+                return [candidates[best]]
+        least = [replica for replica, load in zip(candidates, loads) if int(load) == int(lowest)]
+        random.shuffle(least)
+        return least
 
     def _num_in_flight(self, replica: RunningReplica) -> int:
         """Serve's count of this router's requests in flight at the replica (0 if unknown)."""
