@@ -16,8 +16,8 @@ Per request (`choose_replicas`):
 The chosen rank goes first; the other replicas follow as a second rank, for when its queues are full.
 
 Load is the engine's own: requests running and waiting and KV usage from the replica's routing
-stats (LLMServer.record_routing_stats), plus the requests this router sent it since that report
-and still running (or Serve's count of this router's requests in flight there, if larger).
+stats (LLMServer.record_routing_stats), or this router's own requests running there if more
+(they are known at once, while a report is up to a period old when it arrives).
 
 A replica's table holds the routing keys of the blocks this router sent it, least recently used
 first, at most as many as the replica's cache has blocks. It forgets what the replica reports
@@ -49,9 +49,9 @@ class ReplicaPrefixTable:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.stats: RoutingStats | None = None
-        # Internal ids of requests this router sent since the report and that are still running:
-        # load the report cannot show yet.
-        self.sent_since_report: set[str] = set()
+        # Internal ids of this router's requests running there: its own load, known at once
+        # (a report is up to a period old when it arrives).
+        self.in_flight: set[str] = set()
 
     def num_matched(self, keys: list[int]) -> int:
         """How many of the chain's leading blocks the replica holds (the engine's own lookup
@@ -70,12 +70,11 @@ class ReplicaPrefixTable:
         self._trim(len(self.keys) - self.capacity)
 
     def apply(self, stats: RoutingStats) -> None:
-        """Take a new report: forget what was evicted, and restart the count of requests sent."""
+        """Take a new report: its load, and forget what it says was evicted."""
         previous = self.stats
         if previous is not None and stats.report_index == previous.report_index:
             return
         self.stats = stats
-        self.sent_since_report.clear()
         self.capacity = max(stats.num_total_blocks, 1)
         if previous is not None and stats.num_prefix_cache_resets != previous.num_prefix_cache_resets:
             self.keys.clear()
@@ -88,12 +87,13 @@ class ReplicaPrefixTable:
         self._trim(len(self.keys) - self.capacity)
 
     def load(self, num_in_flight: int = 0) -> float:
-        """Engine requests (running and waiting) plus those sent since the report, or this
-        router's requests in flight if more; KV usage (a fraction) breaks ties."""
+        """Engine requests (running and waiting, from every router), or this router's own
+        requests in flight there if more (they are live; a report lags); KV usage (a fraction)
+        breaks ties."""
         reported, usage = 0, 0.0
         if self.stats is not None:
             reported, usage = self.stats.num_running + self.stats.num_waiting, self.stats.kv_cache_usage
-        return max(reported + len(self.sent_since_report), num_in_flight) + usage
+        return max(reported, len(self.in_flight), num_in_flight) + usage
 
     def _trim(self, num: int) -> None:
         for _ in range(min(max(num, 0), len(self.keys))):
@@ -140,13 +140,13 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         table = self.tables.get(replica_id)
         if keys is not None and table is not None:
             table.insert(keys)
-            table.sent_since_report.add(pending_request.metadata.internal_request_id)
+            table.in_flight.add(pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         table = self.tables.get(replica_id)
         if table is not None:
-            table.sent_since_report.discard(internal_request_id)
+            table.in_flight.discard(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """New replicas get an empty table, removed ones lose theirs; every replica's latest
