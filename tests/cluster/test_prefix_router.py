@@ -4,7 +4,6 @@ one class: the system test with real Serve replicas is test_prefix_router_serve.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
