@@ -51,10 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-kv-blocks", type=int, default=96, help="KV blocks of 16 tokens per replica")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: shared, unique")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
     args.replica_counts = [int(n) for n in args.replicas.split(",")]
+    args.workload_names = [name for name in args.workloads.split(",") if name]
     return args
 
 
@@ -187,7 +189,7 @@ def run_one(args: argparse.Namespace, base_url: str, router: str, num_replicas: 
         # chats that share nothing with the workloads; the counters are read after them.
         warmup = [(f"warm up {i}", ["hello"]) for i in range(4 * num_replicas)]
         asyncio.run(run_workload(url, "bench", warmup, 2, len(warmup)))
-        for workload in WORKLOADS:
+        for workload in args.workload_names:
             rng = random.Random(args.seed + (1 if workload == "unique" else 0))
             conversations = shared_conversations(args, rng) if workload == "shared" else unique_conversations(args, rng)
             before = settled_counters(url, "bench", num_replicas)
@@ -216,7 +218,7 @@ def ratios(runs: dict) -> dict:
                 "output_token_throughput": round(ours[workload]["output_token_throughput"] / base[workload]["output_token_throughput"], 3),
                 "ttft_mean": round(ours[workload]["ttft_ms"]["mean"] / base[workload]["ttft_ms"]["mean"], 3),
             }
-            for workload in WORKLOADS
+            for workload in ours
         }
     return out
 
@@ -228,9 +230,10 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("prefix_cache_hit_rate", "prefix-cache hit rate"), ("output_token_throughput", "output tok/s"), ("ttft_mean", "mean TTFT (ms)")]
-    fig, axes = plt.subplots(len(WORKLOADS), len(panels), figsize=(13, 7))
+    fig, axes = plt.subplots(2, len(panels), figsize=(13, 7), squeeze=False)
     counts = list(report["runs"])
-    for row, workload in enumerate(WORKLOADS):
+    workloads = list(next(iter(report["runs"].values()))["power_of_two"])
+    for row, workload in enumerate(workloads):
         for col, (key, label) in enumerate(panels):
             ax = axes[row][col]
             for i, router in enumerate(ROUTERS):
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    config = {k: v for k, v in vars(args).items() if k not in ("output", "plot", "replica_counts")}
+    config = {k: v for k, v in vars(args).items() if k not in ("output", "plot", "replica_counts", "workload_names")}
     report = {"config": {**config, "machine_name": machine_name(), "machine": platform.platform()}, "ratios": ratios(runs), "runs": runs}
     text = json.dumps(report, indent=2)
     print(text)

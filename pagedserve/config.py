@@ -186,8 +186,8 @@ class DeploymentConfig(BaseModel):
     imbalanced_threshold: float = Field(
         8.0,
         gt=0,
-        description="prefix_aware: a replica whose load (engine requests running and waiting, plus requests routed since "
-        "its last report) exceeds the least-loaded replica's by more than this is passed over for the least-loaded one.",
+        description="prefix_aware: a replica whose load (engine requests running and waiting, or the router's own requests "
+        "running there if more) exceeds the least-loaded replica's by more than this is passed over for the least-loaded one.",
     )
     match_rate_threshold: float = Field(
         0.1,

@@ -10,13 +10,14 @@ Per request (`choose_replicas`):
 1. For each replica, the number of the prompt's leading full blocks it holds (its table below).
 2. The best-matching replica wins, unless its match covers less than `match_rate_threshold` of
    the prompt's blocks, or its load exceeds the least-loaded replica's by more than
-   `imbalanced_threshold`; then the least-loaded replica wins (ties at random).
+   `imbalanced_threshold`; then the least-loaded replicas (by engine requests) are the choice,
+   and among them Serve's own pick takes the one with the fewest requests in flight.
 3. Calls that carry no token ids (model_card, tokenize, ...) use Serve's power of two choices.
-The winner goes first; the others follow as a second rank, for when the winner's queue is full.
+The chosen rank goes first; the other replicas follow as a second rank, for when its queues are full.
 
 Load is the engine's own: requests running and waiting and KV usage from the replica's routing
-stats (LLMServer.record_routing_stats), plus the requests this router sent it since that report
-and still running (or Serve's count of this router's requests in flight there, if larger).
+stats (LLMServer.record_routing_stats), or this router's own requests running there if more
+(they are known at once, while a report is up to a period old when it arrives).
 
 A replica's table holds the routing keys of the blocks this router sent it, least recently used
 first, at most as many as the replica's cache has blocks. It forgets what the replica reports
@@ -49,9 +50,9 @@ class ReplicaPrefixTable:
         self.capacity = capacity
         self.keys: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.stats: RoutingStats | None = None
-        # Internal ids of requests this router sent since the report and that are still running:
-        # load the report cannot show yet.
-        self.sent_since_report: set[str] = set()
+        # Internal ids of this router's requests running there: its own load, known at once
+        # (a report is up to a period old when it arrives).
+        self.in_flight: set[str] = set()
 
     def num_matched(self, keys: list[int]) -> int:
         """How many of the chain's leading blocks the replica holds (the engine's own lookup
@@ -70,12 +71,11 @@ class ReplicaPrefixTable:
         self._trim(len(self.keys) - self.capacity)
 
     def apply(self, stats: RoutingStats) -> None:
-        """Take a new report: forget what was evicted, and restart the count of requests sent."""
+        """Take a new report: its load, and forget what it says was evicted."""
         previous = self.stats
         if previous is not None and stats.report_index == previous.report_index:
             return
         self.stats = stats
-        self.sent_since_report.clear()
         self.capacity = max(stats.num_total_blocks, 1)
         if previous is not None and stats.num_prefix_cache_resets != previous.num_prefix_cache_resets:
             self.keys.clear()
@@ -88,12 +88,13 @@ class ReplicaPrefixTable:
         self._trim(len(self.keys) - self.capacity)
 
     def load(self, num_in_flight: int = 0) -> float:
-        """Engine requests (running and waiting) plus those sent since the report, or this
-        router's requests in flight if more; KV usage (a fraction) breaks ties."""
+        """Engine requests (running and waiting, from every router), or this router's own
+        requests in flight there if more (they are live; a report lags); KV usage (a fraction)
+        breaks ties."""
         reported, usage = 0, 0.0
         if self.stats is not None:
             reported, usage = self.stats.num_running + self.stats.num_waiting, self.stats.kv_cache_usage
-        return max(reported + len(self.sent_since_report), num_in_flight) + usage
+        return max(reported, len(self.in_flight), num_in_flight) + usage
 
     def _trim(self, num: int) -> None:
         for _ in range(min(max(num, 0), len(self.keys))):
@@ -131,8 +132,8 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
         # routing sets this on the power-of-two path).
         pending_request.routing_context.should_backoff = True
         chosen = self.choose(candidate_replicas, keys)
-        others = [replica for replica in candidate_replicas if replica.replica_id != chosen.replica_id]
-        return [[chosen], others] if others else [[chosen]]
+        others = [replica for replica in candidate_replicas if replica not in chosen]
+        return [chosen, others] if others else [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -140,13 +141,13 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
         table = self.tables.get(replica_id)
         if keys is not None and table is not None:
             table.insert(keys)
-            table.sent_since_report.add(pending_request.metadata.internal_request_id)
+            table.in_flight.add(pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         table = self.tables.get(replica_id)
         if table is not None:
-            table.sent_since_report.discard(internal_request_id)
+            table.in_flight.discard(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """New replicas get an empty table, removed ones lose theirs; every replica's latest
@@ -168,18 +169,22 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
 
     # ---- the choice --------------------------------------------------------------------------
 
-    def choose(self, candidates: list[RunningReplica], keys: list[int]) -> RunningReplica:
-        """The replica for a prompt whose full blocks have these routing keys."""
+    def choose(self, candidates: list[RunningReplica], keys: list[int]) -> list[RunningReplica]:
+        """The first rank for a prompt whose full blocks have these routing keys: the replica
+        holding its prefix, or else the least-loaded ones (requests, ignoring the KV-usage
+        fraction), among which Serve takes the one with the fewest requests in flight."""
         tables = [self.tables.setdefault(replica.replica_id, ReplicaPrefixTable()) for replica in candidates]
         loads = [table.load(self._num_in_flight(replica)) for replica, table in zip(candidates, tables)]
         lowest = min(loads)
         if keys:
             matched = [table.num_matched(keys) for table in tables]
-            best = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
+            best = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i], random.random()))
             is_long_enough = matched[best] > 0 and matched[best] / len(keys) >= self.match_rate_threshold
             if is_long_enough and loads[best] - lowest <= self.imbalanced_threshold:
-                return candidates[best]
-        return random.choice([replica for replica, load in zip(candidates, loads) if load == lowest])
+                return [candidates[best]]
+        least = [replica for replica, load in zip(candidates, loads) if int(load) == int(lowest)]
+        random.shuffle(least)
+        return least
 
     def _num_in_flight(self, replica: RunningReplica) -> int:
         """Serve's count of this router's requests in flight at the replica (0 if unknown)."""

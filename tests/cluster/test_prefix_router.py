@@ -4,7 +4,6 @@ one class: the system test with real Serve replicas is test_prefix_router_serve.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
@@ -114,6 +113,14 @@ def test_finished_requests_stop_counting_as_load(make_router):
     assert router.tables[chosen.replica_id].load() == 1
     router.on_request_completed(chosen.replica_id, first.metadata.internal_request_id)
     assert router.tables[chosen.replica_id].load() == 0
+
+
+def test_without_a_match_every_least_loaded_replica_is_offered(make_router):
+    """Serve then takes the one with the fewest requests in flight among them."""
+    replicas = [FakeReplica("a", stats(1, running=2)), FakeReplica("b", stats(1)), FakeReplica("c", stats(1))]
+    router = make_router(replicas)
+    ranks = make_router.loop.run_until_complete(router.choose_replicas(replicas, pending(list(range(16)))))
+    assert sorted(r.replica_id.unique_id for r in ranks[0]) == ["b", "c"] and ranks[1] == [replicas[0]]
 
 
 def test_an_imbalanced_replica_is_passed_over(make_router):
