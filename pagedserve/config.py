@@ -180,8 +180,8 @@ class DeploymentConfig(BaseModel):
     request_router: Literal["prefix_aware", "power_of_two"] | None = Field(
         None,
         description="How requests pick an LLMServer replica: 'prefix_aware' (the replica whose KV cache most likely holds the "
-        "prompt's prefix, unless it is out of balance) or 'power_of_two' (Serve's default). Default: prefix_aware with more "
-        "than one replica or with autoscaling, else power_of_two.",
+        "prompt's prefix, unless it is out of balance) or 'power_of_two' (Serve's default). Default: prefix_aware, or "
+        "power_of_two when the engine's prefix cache is off.",
     )
     imbalanced_threshold: float = Field(
         8.0,
@@ -200,12 +200,13 @@ class DeploymentConfig(BaseModel):
         1.0, gt=0, description="prefix_aware: how often each replica reports its engine load and KV-cache evictions to the routers."
     )
 
-    @property
-    def resolved_request_router(self) -> Literal["prefix_aware", "power_of_two"]:
-        """`request_router`, or its default for this replica count."""
+    def resolved_request_router(self, enable_prefix_caching: bool) -> Literal["prefix_aware", "power_of_two"]:
+        """`request_router`, or its default: prefix_aware wherever there is a prefix cache to aim
+        at. The default does not depend on the replica count, which Serve's `deployments:`
+        override may change without the app's args (and this config) ever seeing it."""
         if self.request_router is not None:
             return self.request_router
-        return "prefix_aware" if self.num_replicas > 1 or self.autoscaling_config is not None else "power_of_two"
+        return "prefix_aware" if enable_prefix_caching else "power_of_two"
 
     @model_validator(mode="after")
     def _one_way_to_autoscale(self) -> DeploymentConfig:

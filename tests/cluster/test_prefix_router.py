@@ -200,10 +200,10 @@ def test_the_replica_reports_its_evictions():
 
 
 def test_the_router_setting_and_its_default():
-    assert DeploymentConfig().resolved_request_router == "power_of_two"
-    assert DeploymentConfig(num_replicas=2).resolved_request_router == "prefix_aware"
-    assert DeploymentConfig(autoscaling_config={"max_replicas": 2}).resolved_request_router == "prefix_aware"
-    assert DeploymentConfig(num_replicas=2, request_router="power_of_two").resolved_request_router == "power_of_two"
+    # The default does not depend on the scale (an override may change it unseen by the args).
+    assert DeploymentConfig().resolved_request_router(enable_prefix_caching=True) == "prefix_aware"
+    assert DeploymentConfig(num_replicas=2).resolved_request_router(enable_prefix_caching=False) == "power_of_two"
+    assert DeploymentConfig(request_router="power_of_two").resolved_request_router(enable_prefix_caching=True) == "power_of_two"
     with pytest.raises(ValueError, match="deployment.request_router.*'prefix_aware' or 'power_of_two'"):
         ServerConfig.load(overrides={"request_router": "random"})
     with pytest.raises(ValueError, match="deployment.imbalanced_threshold"):
@@ -219,4 +219,6 @@ def test_prefix_aware_needs_the_prefix_cache():
     routed = request_router_config(ServerConfig(model="tiny", engine={"block_size": 8}, deployment={"num_replicas": 2}))
     assert routed["request_router_class"].endswith("PrefixAwareRouter")
     assert routed["request_router_kwargs"]["block_size"] == 8
-    assert "request_router_class" not in request_router_config(ServerConfig(model="tiny"))
+    assert request_router_config(ServerConfig(model="tiny"))["request_router_class"].endswith("PrefixAwareRouter")
+    unprefixed = request_router_config(ServerConfig(model="tiny", engine={"enable_prefix_caching": False}))
+    assert unprefixed["request_router_class"].endswith("handover:PowerOfTwoRouter")

@@ -35,7 +35,7 @@ def base_url(serve_url, model_dirs):
         # imbalanced_threshold 2: a burst of long streams must spill over to the other replica.
         deployment={"num_replicas": 2, "routing_stats_period_s": 0.5, "imbalanced_threshold": 2},
     )
-    assert config.deployment.resolved_request_router == "prefix_aware"
+    assert config.deployment.resolved_request_router(config.engine_config().enable_prefix_caching) == "prefix_aware"
     deploy(config, APP, ROUTE)
     yield f"{serve_url}{ROUTE}"
     serve.delete(APP)
