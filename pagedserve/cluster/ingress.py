@@ -197,7 +197,9 @@ def _renderer(handle: Any) -> PromptRenderer:
     async def fetch_spec() -> dict[str, Any]:
         return await handle.prompt_spec.remote()
 
-    return PromptRenderer(fetch_spec)
+    renderer = PromptRenderer(fetch_spec)
+    renderer.start()
+    return renderer
 
 
 def key_digest(key: str) -> str:

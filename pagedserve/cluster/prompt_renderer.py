@@ -3,8 +3,8 @@ router sees a call's arguments, and the prefix-aware router needs the prompt's t
 resumed requests are token ids too). Chat messages go through the model's chat template here.
 
 The ingress loads the engine's tokenizer itself, once, from the folder model_resolver resolves
-for the engine's `model` / `tokenizer` / `revision` (asked of an LLMServer replica on first use,
-so the ingress's arguments do not change).
+for the engine's `model` / `tokenizer` / `revision` (asked of an LLMServer replica when the
+ingress starts, so the ingress's arguments do not change).
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ class PromptRenderer:
         """`fetch_spec`: returns LLMServer.prompt_spec() (the engine's model, tokenizer and revision)."""
         self.fetch_spec = fetch_spec
         self._loading: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Begin loading now if an event loop runs here (Serve runs the ingress's constructor on
+        its loop), so the first request does not wait for it."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._loading is None:
+            self._loading = asyncio.create_task(self._load())
 
     async def render(self, prompt: Any) -> Any:
         """The engine prompt for text, {"messages": [...], "add_generation_prompt": bool} or
