@@ -112,7 +112,10 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
-            new_blocks = self._allocate_or_preempt(request, num_new)
+            if self._fits_in_held_blocks(request, num_new):
+                new_blocks = ()  # most decode steps: no block to allocate, none to register
+            else:
+                new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:  # the request preempted itself; everything older is scheduled
                 break
             num_scheduled[request.request_id] = num_new
@@ -181,6 +184,15 @@ class Scheduler:
         return outputs
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _fits_in_held_blocks(self, request: Request, num_new: int) -> bool:
+        """True when the request's blocks already hold its next `num_new` tokens and none of its
+        blocks fills up (so the prefix cache has nothing to register): allocate_slots would
+        change nothing, and skipping it is most of a decode step's scheduling cost."""
+        block_size = self.kv_cache_manager.block_size
+        offset = request.num_computed_tokens % block_size
+        num_held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
+        return offset + num_new < block_size and num_held * block_size > request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list | None:
         """Blocks for the request, preempting the newest running requests until they fit.

@@ -92,7 +92,9 @@ class ModelRunner:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
         if hidden is None or not inputs.sampled_states:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # When every token samples (all decodes) its rows are the hidden states, in order.
+        sampled_hidden = hidden if len(inputs.sampled_states) == inputs.num_tokens else hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(sampled_hidden)
         if not self.parallel.is_driver:
             return None
         batch = self.sampling_batch.build(inputs.sampled_states)
