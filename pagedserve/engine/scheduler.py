@@ -164,16 +164,18 @@ class Scheduler:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token_id(token_id)
             status = self._check_stop(request)
+            finish_reason = None
             if status is not None:
                 request.status = status
                 self._free(request)
                 any_finished = True
+                finish_reason = status.finish_reason
             outputs.append(
                 EngineCoreOutput(
                     req_id,
                     [token_id],
-                    logprobs.get(req_id),
-                    request.status.finish_reason,
+                    logprobs.get(req_id) if logprobs else None,
+                    finish_reason,
                     request.stop_token_id,
                     request.num_cached_tokens,  # set when it was first scheduled
                     request.first_scheduled_time,
