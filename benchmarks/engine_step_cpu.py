@@ -41,13 +41,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline-commit", default="ab09df0")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt-len", default="64:256", help="MIN:MAX tokens (the prefill before the measured steps)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each tree")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one run, this process
     parser.add_argument("--output", type=Path)
     return parser.parse_args()
 
 
-def measure_engine_cpu(num_requests: int, steps: int) -> dict[str, list[float]]:
+def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256") -> dict[str, list[float]]:
     """Thread-CPU seconds of each part, per decode step, with `num_requests` running."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.engine.output_processor import OutputProcessor
@@ -80,8 +81,9 @@ def measure_engine_cpu(num_requests: int, steps: int) -> dict[str, list[float]]:
     timed(engine.executor.worker.runner.model, "compute_logits", "model_and_sampler")  # the in-process rank
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    min_len, max_len = map(int, prompt_len.split(":"))
     for i in range(num_requests):
-        prompt = [rng.randint(10, 500) for _ in range(rng.randint(64, 256))]
+        prompt = [rng.randint(10, 500) for _ in range(rng.randint(min_len, max_len))]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()  # prefill everything first: the figure is for steady decoding
@@ -100,7 +102,7 @@ def measure_engine_cpu(num_requests: int, steps: int) -> dict[str, list[float]]:
 
 def run_tree(pythonpath: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     env = dict(os.environ, PYTHONPATH=str(pythonpath), HF_HUB_OFFLINE="1")
-    command = [sys.executable, __file__, "--measure", "--num-requests", str(args.num_requests), "--steps", str(args.steps)]
+    command = [sys.executable, __file__, "--measure", "--num-requests", str(args.num_requests), "--steps", str(args.steps), "--prompt-len", args.prompt_len]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"measurement under {pythonpath} failed:\n{done.stderr[-4000:]}")
@@ -116,7 +118,7 @@ def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
 def main() -> None:
     args = parse_args()
     if args.measure:
-        print(json.dumps(measure_engine_cpu(args.num_requests, args.steps)))
+        print(json.dumps(measure_engine_cpu(args.num_requests, args.steps, args.prompt_len)))
         return
     with tempfile.TemporaryDirectory() as baseline_tree:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline_commit, "pagedserve"], capture_output=True, check=True)
@@ -130,7 +132,7 @@ def main() -> None:
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
-        "workload": {"running_requests": args.num_requests, "steps": args.steps, "rounds": args.rounds, "model": "tiny (random weights)"},
+        "workload": {"running_requests": args.num_requests, "steps": args.steps, "prompt_len": args.prompt_len, "rounds": args.rounds, "model": "tiny (random weights)"},
         "trees": {"baseline": args.baseline_commit, "this_tree": head},
         "median_cpu_ms_per_step": {name: summarize(samples) for name, samples in merged.items()},
     }
