@@ -51,6 +51,7 @@ class InputBatch:
         state = CachedRequestState(
             new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids), new.num_computed_tokens
         )
+        self.remove(new.req_id)  # sent whole again: whatever this rank held of it is stale
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
