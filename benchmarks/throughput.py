@@ -5,8 +5,8 @@ N prompts of random token ids with random input lengths and a fixed output lengt
 Hugging Face runs them as a user would: left-padded batches of `--hf-batch-size`, in arrival
 order, greedy, exactly `output_len` new tokens. pagedserve gets all prompts at once.
 
-It also measures the engine's own CPU cost per step (schedule + update + input preparation) with
-256 running requests, on the tiny random-weight model so the forward pass does not dominate the run.
+It also measures the engine's own CPU cost per step (schedule + update + the worker's input
+preparation, see engine_step_cpu.py) with 256 running requests, on the tiny random-weight model.
 
     python benchmarks/throughput.py                 # the defaults of benchmarks/results/ (about 7 min here)
     python benchmarks/throughput.py --num-prompts 16 --output-len 8 --skip-overhead   # smoke run
@@ -18,7 +18,6 @@ import argparse
 import json
 import platform
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -146,55 +145,12 @@ def _hf_generate(model, batch: list[list[int]], output_len: int, pad: int) -> in
 
 
 def measure_engine_overhead(num_requests: int = 256, steps: int = 30) -> dict:
-    """CPU milliseconds per decode step spent outside the model with `num_requests` running:
-    `engine_total` is schedule + update + input preparation; detokenization is reported apart."""
-    import pagedserve.workers.model_runner as model_runner
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.engine.scheduler import Scheduler
+    """CPU milliseconds per decode step spent outside the model with `num_requests` running
+    (engine_step_cpu.py's parts: schedule, update, the worker's input and sampling preparation;
+    detokenization apart). That script also compares against a baseline commit."""
+    from engine_step_cpu import measure_engine_cpu, summarize
 
-    from pagedserve.engine.output_processor import OutputProcessor
-
-    timings: dict[str, list[float]] = {"schedule": [], "update": [], "prepare_inputs": [], "detokenize_and_outputs": []}
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            start = time.perf_counter()
-            result = fn(*a, **kw)
-            timings[name].append(time.perf_counter() - start)
-            return result
-
-        return wrapper
-
-    llm = LLM("tiny", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512)
-    engine = llm.llm_engine
-    originals = (Scheduler.schedule, Scheduler.update_from_output, model_runner.build_step_inputs, OutputProcessor.process_outputs)
-    Scheduler.schedule = timed("schedule", Scheduler.schedule)
-    Scheduler.update_from_output = timed("update", Scheduler.update_from_output)
-    model_runner.build_step_inputs = timed("prepare_inputs", model_runner.build_step_inputs)
-    OutputProcessor.process_outputs = timed("detokenize_and_outputs", OutputProcessor.process_outputs)
-    try:
-        rng = random.Random(0)
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
-        for i in range(num_requests):
-            prompt = [rng.randint(10, 500) for _ in range(rng.randint(64, 256))]
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # prefill everything first: the figure is for steady decoding
-        for values in timings.values():
-            values.clear()
-        step_times = []
-        for _ in range(steps):
-            assert engine.scheduler.num_running == num_requests
-            start = time.perf_counter()
-            engine.step()
-            step_times.append(time.perf_counter() - start)
-    finally:
-        Scheduler.schedule, Scheduler.update_from_output, model_runner.build_step_inputs, OutputProcessor.process_outputs = originals
-        llm.shutdown()
-    result = {name: round(statistics.median(v) * 1e3, 3) for name, v in timings.items()}
-    result["engine_total"] = round(result["schedule"] + result["update"] + result["prepare_inputs"], 3)
-    result["whole_step_tiny_model"] = round(statistics.median(step_times) * 1e3, 2)
-    return {"running_requests": num_requests, "median_ms_per_step": result}
+    return {"running_requests": num_requests, "median_cpu_ms_per_step": summarize(measure_engine_cpu(num_requests, steps))}
 
 
 def main() -> None:

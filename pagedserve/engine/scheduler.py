@@ -112,7 +112,10 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
-            new_blocks = self._allocate_or_preempt(request, num_new)
+            if self._fits_in_held_blocks(request, num_new):
+                new_blocks = ()  # most decode steps: no block to allocate, none to register
+            else:
+                new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:  # the request preempted itself; everything older is scheduled
                 break
             num_scheduled[request.request_id] = num_new
@@ -161,16 +164,18 @@ class Scheduler:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token_id(token_id)
             status = self._check_stop(request)
+            finish_reason = None
             if status is not None:
                 request.status = status
                 self._free(request)
                 any_finished = True
+                finish_reason = status.finish_reason
             outputs.append(
                 EngineCoreOutput(
                     req_id,
                     [token_id],
-                    logprobs.get(req_id),
-                    request.status.finish_reason,
+                    logprobs.get(req_id) if logprobs else None,
+                    finish_reason,
                     request.stop_token_id,
                     request.num_cached_tokens,  # set when it was first scheduled
                     request.first_scheduled_time,
@@ -181,6 +186,15 @@ class Scheduler:
         return outputs
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _fits_in_held_blocks(self, request: Request, num_new: int) -> bool:
+        """True when the request's blocks already hold its next `num_new` tokens and none of its
+        blocks fills up (so the prefix cache has nothing to register): allocate_slots would
+        change nothing, and skipping it is most of a decode step's scheduling cost."""
+        block_size = self.kv_cache_manager.block_size
+        offset = request.num_computed_tokens % block_size
+        num_held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
+        return offset + num_new < block_size and num_held * block_size > request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list | None:
         """Blocks for the request, preempting the newest running requests until they fit.

@@ -14,11 +14,12 @@ from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogpro
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
-from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, build_step_inputs
+from pagedserve.workers.input_batch import InputBatch
+from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.parallel_state import ParallelContext
 from pagedserve.workers.sampler import Sampler, SamplerOutput
-from pagedserve.workers.sampling_batch import build_sampling_batch
+from pagedserve.workers.sampling_batch import SamplingBatchBuilder
 
 
 class ModelRunner:
@@ -35,7 +36,9 @@ class ModelRunner:
             engine_config.attention_backend, device.type, block_size=self.block_size, dtype=model_config.dtype
         )
         self.sampler = Sampler(engine_config.seed, device)
-        self.requests: dict[str, CachedRequestState] = {}
+        # The requests this rank holds, kept across steps: a step applies only its diffs.
+        self.input_batch = InputBatch(self.block_size, device, max_num_reqs=engine_config.max_num_seqs)
+        self.sampling_batch = SamplingBatchBuilder(model_config.eos_token_ids, model_config.vocab_size, device)
         self.model: torch.nn.Module | None = None
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps, once the cache exists
 
@@ -79,20 +82,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        self._update_states(scheduler_output)
+        self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
-        inputs = build_step_inputs(scheduler_output, self.requests, self.block_size, self.device)
+        inputs = self.input_batch.prepare(scheduler_output)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
         if hidden is None or not inputs.sampled_states:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # When every token samples (all decodes) its rows are the hidden states, in order.
+        sampled_hidden = hidden if len(inputs.sampled_states) == inputs.num_tokens else hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(sampled_hidden)
         if not self.parallel.is_driver:
             return None
-        batch = build_sampling_batch(inputs.sampled_states, self.model_config.eos_token_ids, logits.shape[-1], self.device)
+        batch = self.sampling_batch.build(inputs.sampled_states)
         return _to_runner_output(inputs.sampled_states, self.sampler(logits, batch))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:
@@ -107,22 +112,6 @@ class ModelRunner:
             self.parallel.send_to_next_stage(hidden)
             return None
         return hidden
-
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.dropped_req_ids:
-            self.requests.pop(req_id, None)
-        for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids), new.num_computed_tokens
-            )
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, tokens, blocks, num_computed in zip(
-            cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            state = self.requests[req_id]
-            state.token_ids.extend(tokens)
-            state.block_ids.extend(blocks)
-            state.num_computed_tokens = num_computed
 
 
 def _to_runner_output(states: list[CachedRequestState], out: SamplerOutput) -> ModelRunnerOutput:

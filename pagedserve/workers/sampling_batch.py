@@ -1,15 +1,60 @@
 """Turn the sampled requests' parameters into the sampler's per-row tensors.
 
 The common cases stay cheap: an all-greedy batch without penalties or logprobs builds one small
-tensor, and each optional feature costs only when some row uses it.
+tensor, and each optional feature costs only when some row uses it. `SamplingBatchBuilder` keeps
+the last step's batch: the per-row parameter tensors are rebuilt only when the sampled requests
+(or their order) change, and the parts that move every step (seeds, min_tokens bans, penalties)
+only when some row uses them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from pagedserve.workers.step_inputs import CachedRequestState
 from pagedserve.workers.sampler import Penalties, SamplingBatch, step_seed
+
+
+class SamplingBatchBuilder:
+    """`build_sampling_batch` with memory: decode steps of an unchanged batch reuse the last
+    step's parameter tensors."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int, device: torch.device):
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.device = device
+        # Held, so no object of the last batch can be freed and its id() reused by a new one.
+        self._states: list[CachedRequestState] = []
+        self._batch: SamplingBatch | None = None
+        self._is_per_step = False  # a row uses seeds, min_tokens or penalties
+
+    def build(self, states: list[CachedRequestState]) -> SamplingBatch:
+        if not _same_objects(states, self._states):
+            self._states = list(states)
+            self._batch = build_sampling_batch(states, self.eos_token_ids, self.vocab_size, self.device)
+            self._is_per_step = any(_moves_per_step(s.sampling_params) for s in states)
+            return self._batch
+        if not self._is_per_step:
+            return self._batch
+        # The same requests, one token further: only the parts that depend on their outputs move.
+        batch = dataclasses.replace(self._batch)
+        if batch.seeds:
+            params = [s.sampling_params for s in states]
+            batch.seeds = {row: step_seed(params[row].seed, states[row].num_output_tokens) for row in batch.seeds}
+        batch.banned_tokens = _min_tokens_bans(states, self.eos_token_ids)
+        if batch.penalties is not None:
+            batch.penalties = _penalties(states, self.vocab_size, self.device)
+        return batch
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _moves_per_step(p) -> bool:
+    return (p.seed is not None and not p.is_greedy) or p.min_tokens > 0 or p.has_penalties
 
 
 def build_sampling_batch(

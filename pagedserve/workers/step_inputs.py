@@ -74,10 +74,10 @@ def build_step_inputs(
 
     query_lens_host = num_scheduled.tolist()
     meta = AttentionMetadata(
-        slot_mapping=_to(slot_mapping, device),
-        query_start_loc=_to(query_start_loc.astype(np.int32), device),
-        seq_lens=_to(seq_lens.astype(np.int32), device),
-        block_tables=_to(block_tables, device),
+        slot_mapping=to_device(slot_mapping, device),
+        query_start_loc=to_device(query_start_loc.astype(np.int32), device),
+        seq_lens=to_device(seq_lens.astype(np.int32), device),
+        block_tables=to_device(block_tables, device),
         num_decodes=sum(1 for n in query_lens_host if n == 1),
         max_query_len=max(query_lens_host),
         max_seq_len=int(seq_lens.max()),
@@ -86,9 +86,9 @@ def build_step_inputs(
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=_to(positions, device),
+        positions=to_device(positions, device),
         meta=meta,
-        logits_indices=_to(logits_indices, device),
+        logits_indices=to_device(logits_indices, device),
         sampled_states=sampled_states,
     )
 
@@ -102,6 +102,7 @@ def _block_table(states: list[CachedRequestState], seq_lens: np.ndarray, block_s
     return table
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device` (shared memory on the CPU, an async copy elsewhere)."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     return tensor.to(device, non_blocking=True) if device.type != "cpu" else tensor

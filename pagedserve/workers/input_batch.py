@@ -1,0 +1,179 @@
+"""The requests a worker holds, as rows of host arrays kept from step to step.
+
+A step's diffs touch only what changed (one appended token and a computed count per decode, a
+block id now and then), and the step's flat inputs are gathered from the rows with a handful of
+numpy operations: no per-step Python lists of every request's tokens or blocks, no `torch.tensor`
+of a list. `build_step_inputs` (step_inputs.py) builds the same inputs from scratch; it is the
+reference this batch is tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.kernels import AttentionMetadata
+from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, to_device
+
+
+class InputBatch:
+    """One row per request the worker holds. Rows are reused once their request is dropped; a
+    row's arrays past the request's own length hold stale values that are never read."""
+
+    def __init__(self, block_size: int, device: torch.device, max_num_reqs: int = 64, max_tokens: int = 256):
+        self.block_size = block_size
+        self.device = device
+        self.states: dict[str, CachedRequestState] = {}  # the sampler's view, by request id
+        self.row_of: dict[str, int] = {}
+        self.row_states: list[CachedRequestState | None] = [None] * max_num_reqs
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # a stack: lowest row first
+        self.token_ids = np.zeros((max_num_reqs, max_tokens), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, -(-max_tokens // block_size)), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known: prompt + outputs
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ---- keeping the rows up to date -------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply one step's changes: drop, then add the new requests, then the running ones' diffs."""
+        for req_id in scheduler_output.dropped_req_ids:
+            self.remove(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.add(new)
+        self._apply_diffs(scheduler_output.scheduled_cached_reqs)
+
+    def add(self, new: NewRequestData) -> None:
+        state = CachedRequestState(
+            new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids), new.num_computed_tokens
+        )
+        self.remove(new.req_id)  # sent whole again: whatever this rank held of it is stale
+        if not self.free_rows:
+            self._grow_rows()
+        row = self.free_rows.pop()
+        self.states[new.req_id], self.row_of[new.req_id], self.row_states[row] = state, row, state
+        self.num_tokens[row] = self.num_blocks[row] = 0
+        self._append_tokens(row, state.token_ids)
+        self._append_blocks(row, state.block_ids)
+        self.num_computed[row] = new.num_computed_tokens
+
+    def remove(self, req_id: str) -> None:
+        """Forget a request; unknown ids are ignored (a request may end before it first ran)."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        del self.states[req_id]
+        self.row_states[row] = None
+        self.free_rows.append(row)
+
+    def _apply_diffs(self, cached: CachedRequestData) -> None:
+        if not len(cached):
+            return
+        rows = [self.row_of[req_id] for req_id in cached.req_ids]
+        one_token_rows, one_tokens = [], []
+        for row, tokens, blocks, num_computed in zip(rows, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
+            self.row_states[row].num_computed_tokens = num_computed
+            if len(tokens) == 1 and self.num_tokens[row] < self.token_ids.shape[1]:
+                one_token_rows.append(row)  # the common case, written below in one go
+                one_tokens.append(tokens[0])
+                self.row_states[row].token_ids.append(tokens[0])
+            elif tokens:
+                self._append_tokens(row, tokens)
+                self.row_states[row].token_ids.extend(tokens)
+            if blocks:
+                self._append_blocks(row, blocks)
+                self.row_states[row].block_ids.extend(blocks)
+        if one_token_rows:
+            self.token_ids[one_token_rows, self.num_tokens[one_token_rows]] = one_tokens
+            self.num_tokens[one_token_rows] += 1
+        self.num_computed[rows] = cached.num_computed_tokens
+
+    def _append_tokens(self, row: int, tokens: list[int]) -> None:
+        start = int(self.num_tokens[row])
+        end = start + len(tokens)
+        if end > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, end)
+        self.token_ids[row, start:end] = tokens
+        self.num_tokens[row] = end
+
+    def _append_blocks(self, row: int, blocks: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(blocks)
+        if end > self.block_table.shape[1]:
+            self.block_table = _widen(self.block_table, end)
+        self.block_table[row, start:end] = blocks
+        self.num_blocks[row] = end
+
+    def _grow_rows(self) -> None:
+        old = len(self.row_states)
+        for name in ("token_ids", "block_table", "num_tokens", "num_computed", "num_blocks"):
+            array = getattr(self, name)
+            grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self.row_states.extend([None] * old)
+        self.free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    # ---- one step's inputs -----------------------------------------------------------------
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The step's ragged batch, in build_step_inputs' order: decodes first, longest context
+        first (ties in scheduling order), then the prefill chunks in scheduling order."""
+        counts = scheduler_output.num_scheduled_tokens
+        rows = np.fromiter((self.row_of[req_id] for req_id in counts), dtype=np.int64, count=len(counts))
+        num_scheduled = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+        num_computed = self.num_computed[rows]
+        is_prefill = num_scheduled > 1
+        order = np.lexsort((np.where(is_prefill, 0, -num_computed), is_prefill))  # stable
+        rows, num_scheduled, num_computed = rows[order], num_scheduled[order], num_computed[order]
+
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        seq_lens = num_computed + num_scheduled
+        # Token i of request r is at position num_computed[r] + (i - query_start_loc[r]).
+        request_index = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = np.arange(int(query_start_loc[-1])) + (num_computed - query_start_loc[:-1])[request_index]
+        token_rows = rows[request_index]
+        input_ids = self.token_ids[token_rows, positions]
+
+        num_blocks = -(-seq_lens // self.block_size)
+        width = int(num_blocks.max())
+        block_tables = self.block_table[rows, :width]
+        block_tables *= np.arange(width) < num_blocks[:, None]  # pad with block 0, as a fresh build
+        slot_mapping = block_tables[request_index, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+
+        # A request samples when this step reaches the end of its known tokens.
+        samples = seq_lens == self.num_tokens[rows]
+        sampled_states = [self.row_states[row] for row in rows[samples].tolist()]
+        num_decodes = int(np.count_nonzero(~is_prefill))
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping, self.device),
+            query_start_loc=to_device(query_start_loc.astype(np.int32), self.device),
+            seq_lens=to_device(seq_lens.astype(np.int32), self.device),
+            block_tables=to_device(block_tables, self.device),
+            num_decodes=num_decodes,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_host=query_start_loc.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=to_device(input_ids, self.device),
+            positions=to_device(positions, self.device),
+            meta=meta,
+            logits_indices=to_device(query_start_loc[1:][samples] - 1, self.device),
+            sampled_states=sampled_states,
+        )
+
+
+def _widen(array: np.ndarray, min_columns: int) -> np.ndarray:
+    """A copy with at least `min_columns` columns (doubling, so appends stay amortized O(1))."""
+    columns = max(min_columns, 2 * array.shape[1])
+    wider = np.zeros((array.shape[0], columns), dtype=array.dtype)
+    wider[:, : array.shape[1]] = array
+    return wider
