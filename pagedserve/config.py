@@ -58,7 +58,12 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool | None = Field(
+        None,
+        description="True: run the model eagerly (no torch.compile on the CPU, no CUDA graphs); False: compile on "
+        "the CPU in every dtype; default (None): CUDA graphs on a GPU, torch.compile on the CPU in half precision only "
+        "(where it pays; float32 stays eager). Compiling happens at the first steps and is cached on disk.",
+    )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."
