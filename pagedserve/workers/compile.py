@@ -6,9 +6,10 @@ opaque custom op `pagedserve::attention` (workers/layers/attention.py), so the w
 graph with 30 calls into it, and the step's metadata never enters the graph.
 
 Shapes: the number of tokens varies every step. The token dimension of the inputs is marked
-dynamic, so one graph serves every size; a first call with a single token compiles a second
-graph specialized to 1 (dynamo specializes sizes 0 and 1). `num_compiles` counts the graphs, so
-tests can check that steps of new sizes do not recompile.
+dynamic, so one graph serves every size. Dynamo would specialize a size of 1 (a step of one
+decode) into a graph of its own, compiled in the middle of serving; such a step is padded to two
+tokens instead (the attention op sees only the step's real tokens and leaves the padding row at
+zero), so one graph is all there is. `num_compiles` counts graphs, so tests can check that.
 
 Compiled artifacts land in inductor's on-disk cache (/tmp/torchinductor_$USER by default, or
 TORCHINDUCTOR_CACHE_DIR), so a second start of the same model skips most of the compile time.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import EngineConfig
+from pagedserve.workers.layers.attention import forward_context
 from pagedserve.workers.parallel_state import ParallelContext
 
 
@@ -50,12 +52,29 @@ class CompiledForward:
         return compile_fx(graph, example_inputs)
 
     def __call__(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        for tensor in (input_ids, positions, hidden):
+        num_tokens = positions.shape[0]
+        inputs = [input_ids, positions, hidden]
+        for i, tensor in enumerate(inputs):
             if tensor is not None:
+                if num_tokens == 1:
+                    tensor = torch.cat([tensor, tensor])
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self._compiled(input_ids, positions, hidden)
+                inputs[i] = tensor
+        return self._compiled(*inputs)[:num_tokens]
 
 
 def compile_model(model: nn.Module) -> None:
-    """Route `model`'s steps through a compiled copy of its decoder stack (`model.model`)."""
-    model.compiled_model = CompiledForward(model.model)
+    """Route `model`'s steps through a compiled copy of its decoder stack (`model.model`), and
+    compile it now, while the engine starts: compiling in the first step would stall it for as
+    long as the compile takes, which `step_timeout_s` may mistake for a wedged worker. The warm-up
+    pass runs before the cache exists (attention takes its profiling path), which the graph does
+    not see: attention is an opaque op, so the same graph serves the steps."""
+    compiled = CompiledForward(model.model)
+    is_first_stage = model.model.embed_tokens is not None
+    dtype = next(model.parameters()).dtype
+    # Made in inference mode, like a step's inputs: dynamo guards on the kind of tensor too.
+    with torch.inference_mode(), forward_context(None, model.attention_by_index):
+        input_ids = torch.zeros(2, dtype=torch.long) if is_first_stage else None
+        hidden = None if is_first_stage else torch.zeros(2, model.config.hidden_size, dtype=dtype)
+        compiled(input_ids, torch.arange(2), hidden)
+    model.compiled_model = compiled

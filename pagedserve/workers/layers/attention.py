@@ -69,7 +69,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.kv_cache is None:
+        if meta is None:  # memory profiling, or compiling (workers/compile.py): no cache to use yet
             return self._profile_attention(q, k, v)
         # Every K/V of the step is written before any query reads: a request may hit prefix-cache
         # blocks that another request of the same step is filling.
@@ -90,7 +90,15 @@ class Attention(nn.Module):
 @torch.library.custom_op("pagedserve::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
     context = current_context()
-    return context.layers[layer_index].attend(q, k, v, context.meta)  # a fresh tensor: no aliasing
+    layer, meta = context.layers[layer_index], context.meta
+    num_tokens = meta.num_tokens if meta is not None else q.shape[0]  # no metadata: the warm-up's pass
+    if q.shape[0] == num_tokens:
+        return layer.attend(q, k, v, context.meta)  # a fresh tensor: no aliasing
+    # A compiled step padded past its real tokens (workers/compile.py): padding rows write no
+    # cache slot and attend to nothing.
+    out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    out[:num_tokens] = layer.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], context.meta)
+    return out
 
 
 @attention_op.register_fake
