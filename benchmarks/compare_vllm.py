@@ -15,10 +15,10 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick   # a smoke run (about 5 min)
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online --engines pagedserve
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online \\
-        --engines pagedserve-eager,pagedserve,vllm      # offline: eager (before compile) vs default vs vLLM
+        --engines pagedserve,pagedserve-compiled,vllm   # offline: eager (the default) vs compiled vs vLLM
 
-Offline engines: `pagedserve` (its defaults: compiled on the CPU in half precision), `pagedserve-eager`
-(`enforce_eager=True`) and `vllm`; online: `pagedserve` and `vllm`.
+Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
+torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
 """
 
 from __future__ import annotations
@@ -119,9 +119,9 @@ def run_online(engine: str, args: argparse.Namespace, result_dir: Path) -> dict:
 def ratios(report: dict) -> dict:
     out: dict = {}
     offline = report.get("offline", {})
-    for ours in ("pagedserve", "pagedserve-eager"):
+    for ours in ("pagedserve", "pagedserve-compiled"):
         if ours in offline and "vllm" in offline:
-            key = "offline_throughput" + ("" if ours == "pagedserve" else "_eager")
+            key = "offline_throughput" + ("" if ours == "pagedserve" else "_compiled")
             out[key] = round(offline["vllm"]["seconds"] / offline[ours]["seconds"], 3)
     online = report.get("online", {})
     if "pagedserve" in online and "vllm" in online:

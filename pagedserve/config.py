@@ -60,9 +60,9 @@ class EngineConfig(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     enforce_eager: bool | None = Field(
         None,
-        description="True: run the model eagerly (no torch.compile on the CPU, no CUDA graphs); False: compile on "
-        "the CPU in every dtype; default (None): CUDA graphs on a GPU, torch.compile on the CPU in half precision only "
-        "(where it pays; float32 stays eager). Compiling happens at the first steps and is cached on disk.",
+        description="True: run the model eagerly (no CUDA graphs, no torch.compile); False: also torch.compile the "
+        "model on the CPU (TP size 1), at start-up, cached on disk; default (None): CUDA graphs on a GPU, eager on the CPU "
+        "(compiling costs minutes on a small CPU for about 12% faster bf16 decode, measured).",
     )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(

@@ -1,9 +1,10 @@
 """One engine's offline run, in its own process: `compare_vllm.py` starts this file once with
 pagedserve's interpreter and once with the peer venv's, on the same prompts.
 
-    python offline_run.py --engine pagedserve|pagedserve-eager|vllm --model PATH --prompts FILE.json --dtype bfloat16
+    python offline_run.py --engine pagedserve|pagedserve-compiled|vllm --model PATH --prompts FILE.json --dtype bfloat16
 
-`pagedserve` runs with its defaults, `pagedserve-eager` with `enforce_eager=True` (no torch.compile).
+`pagedserve` runs with its defaults (eager on the CPU), `pagedserve-compiled` with `enforce_eager=False`
+(torch.compile, workers/compile.py).
 
 FILE.json holds {"prompts": [[token ids], ...], "output_len": N}. Prints one JSON line: seconds,
 requests/s and tokens/s of generating exactly N tokens per prompt (greedy, ignore_eos), after a
@@ -23,8 +24,8 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]], output_le
     kwargs = {"dtype": args.dtype, "seed": 0, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
     if args.num_cpu_threads:
         kwargs["num_cpu_threads"] = args.num_cpu_threads
-    if args.engine == "pagedserve-eager":
-        kwargs["enforce_eager"] = True
+    if args.engine == "pagedserve-compiled":
+        kwargs["enforce_eager"] = False
     started = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -57,7 +58,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("pagedserve", "pagedserve-eager", "vllm"), required=True)
+    parser.add_argument("--engine", choices=("pagedserve", "pagedserve-compiled", "vllm"), required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--dtype", default="bfloat16")

@@ -38,7 +38,7 @@ def load_model(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_config.model_path} lacks weights for {shown}")
     model.eval()
-    if engine_config is not None and should_compile(engine_config, device, parallel, model_config.dtype):
+    if engine_config is not None and should_compile(engine_config, device, parallel):
         compile_model(model)
     return model
 
