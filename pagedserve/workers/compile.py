@@ -3,7 +3,7 @@
 What inductor buys on the CPU is fusion: each RMSNorm with the residual add before it, RoPE, and
 SiLU-and-mul become single C++ loops instead of a dozen ATen calls each. The paged attention is the
 opaque custom op `pagedserve::attention` (workers/layers/attention.py), so the whole stage is one
-graph with 30 calls into it, and the step's metadata never enters the graph.
+graph with one call into it per layer, and the step's metadata never enters the graph.
 
 Shapes: the number of tokens varies every step. The token dimension of the inputs is marked
 dynamic, so one graph serves every size. Dynamo would specialize a size of 1 (a step of one
@@ -12,7 +12,8 @@ tokens instead (the attention op sees only the step's real tokens and leaves the
 zero), so one graph is all there is. `num_compiles` counts graphs, so tests can check that.
 
 Compiled artifacts land in inductor's on-disk cache (/tmp/torchinductor_$USER by default, or
-TORCHINDUCTOR_CACHE_DIR), so a second start of the same model skips most of the compile time.
+TORCHINDUCTOR_CACHE_DIR), so a second start of the same model can skip inductor's code generation
+(dynamo still traces the model again; how much a warm start saves was not measured).
 """
 
 from __future__ import annotations
