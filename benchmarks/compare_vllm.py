@@ -14,6 +14,11 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
         --output benchmarks/results/compare_vllm_cpu.json         # the full run (about 25 min)
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick   # a smoke run (about 5 min)
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online --engines pagedserve
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online \\
+        --engines pagedserve,pagedserve-compiled,vllm   # offline: eager (the default) vs compiled vs vLLM
+
+Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
+torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path) -> dict:
-    python = sys.executable if engine == "pagedserve" else peer_python(args)
+    python = peer_python(args) if engine == "vllm" else sys.executable
     command = [python, str(HERE / "peers" / "offline_run.py"), "--engine", engine, "--model", args.model]
     command += ["--prompts", str(prompts_file), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
     print(f"[offline] {engine} ...", file=sys.stderr, flush=True)
@@ -114,8 +119,10 @@ def run_online(engine: str, args: argparse.Namespace, result_dir: Path) -> dict:
 def ratios(report: dict) -> dict:
     out: dict = {}
     offline = report.get("offline", {})
-    if "pagedserve" in offline and "vllm" in offline:
-        out["offline_throughput"] = round(offline["vllm"]["seconds"] / offline["pagedserve"]["seconds"], 3)
+    for ours in ("pagedserve", "pagedserve-compiled"):
+        if ours in offline and "vllm" in offline:
+            key = "offline_throughput" + ("" if ours == "pagedserve" else "_compiled")
+            out[key] = round(offline["vllm"]["seconds"] / offline[ours]["seconds"], 3)
     online = report.get("online", {})
     if "pagedserve" in online and "vllm" in online:
         for rate, ours in online["pagedserve"].items():
@@ -164,7 +171,8 @@ def main() -> None:
         if not args.skip_offline:
             report["offline"] = {engine: run_offline(engine, args, prompts_file) for engine in engines}
         if not args.skip_online:
-            report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in engines}
+            online = [engine for engine in engines if engine in ("pagedserve", "vllm")]
+            report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in online}
     report["ratio_pagedserve_over_vllm"] = ratios(report)
     report["load_after"] = os.getloadavg()
     text = json.dumps(report, indent=2)

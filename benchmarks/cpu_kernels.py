@@ -6,9 +6,13 @@ Decode attention: `--num-seqs` decode rows of random context lengths over a page
 SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), reference vs the `cpu` backend, in
 float32 and bfloat16, one layer. Sampler: `--num-seqs` rows over a 49,152-token vocabulary at
 temperature 1 (what `vllm bench serve` sends) and greedy; the exponential race over the whole
-vocabulary (the sampler before issue 10) vs `Sampler` now.
+vocabulary (the sampler before issue 10) vs `Sampler` now. With `--model` (a Llama-family Hugging
+Face folder): the whole forward pass of that model in bfloat16 and float32, eager vs compiled
+(workers/compile.py), for a decode step of `--num-seqs` rows and a prefill step of
+`--prefill-tokens` tokens, after the compiles it needs (their wall time is reported too).
 
     python benchmarks/cpu_kernels.py --output benchmarks/results/cpu_kernels.json
+    python benchmarks/cpu_kernels.py --model /work/smollm2-hf --skip-kernels
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pagedserve.kernels import cpu_attention, reference  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
@@ -78,6 +83,12 @@ def sampler(args: argparse.Namespace) -> dict:
     return result
 
 
+def forward(args: argparse.Namespace) -> dict:
+    from cpu_forward import forward_report
+
+    return forward_report(args, cpu_ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -85,16 +96,20 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", help="a Hugging Face folder: also time its whole forward, eager vs compiled")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--forward-dtypes", default="bfloat16,float32")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the forward pass (needs --model)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    report = {
-        "workload": vars(args) | {"output": None},
-        "load_before": os.getloadavg(),
-        "decode_attention_one_layer": attention(args),
-        "sampler": sampler(args),
-        "load_after": os.getloadavg(),
-    }
+    report = {"workload": vars(args) | {"output": None}, "load_before": os.getloadavg()}
+    if not args.skip_kernels:
+        report["decode_attention_one_layer"] = attention(args)
+        report["sampler"] = sampler(args)
+    if args.model:
+        report["forward"] = forward(args)
+    report["load_after"] = os.getloadavg()
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

@@ -58,7 +58,12 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool | None = Field(
+        None,
+        description="True: run the model eagerly (no CUDA graphs, no torch.compile); False: also torch.compile the "
+        "model on the CPU (TP size 1), at start-up, cached on disk; default (None): CUDA graphs on a GPU, eager on the CPU "
+        "(compiling costs minutes on a small CPU for about 12% faster bf16 decode, measured).",
+    )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."

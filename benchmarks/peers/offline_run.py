@@ -1,11 +1,14 @@
 """One engine's offline run, in its own process: `compare_vllm.py` starts this file once with
 pagedserve's interpreter and once with the peer venv's, on the same prompts.
 
-    python offline_run.py --engine pagedserve|vllm --model PATH --prompts FILE.json --dtype bfloat16
+    python offline_run.py --engine pagedserve|pagedserve-compiled|vllm --model PATH --prompts FILE.json --dtype bfloat16
+
+`pagedserve` runs with its defaults (eager on the CPU), `pagedserve-compiled` with `enforce_eager=False`
+(torch.compile, workers/compile.py).
 
 FILE.json holds {"prompts": [[token ids], ...], "output_len": N}. Prints one JSON line: seconds,
 requests/s and tokens/s of generating exactly N tokens per prompt (greedy, ignore_eos), after a
-short warm-up. It imports only the engine it runs, so either venv can run it.
+short warm-up (which includes any compiling; `startup_s` reports the start and the warm-up). It imports only the engine it runs, so either venv can run it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]], output_le
     kwargs = {"dtype": args.dtype, "seed": 0, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
     if args.num_cpu_threads:
         kwargs["num_cpu_threads"] = args.num_cpu_threads
+    if args.engine == "pagedserve-compiled":
+        kwargs["enforce_eager"] = False
+    started = time.perf_counter()
     llm = LLM(args.model, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    args.startup_s = time.perf_counter() - started
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -36,10 +43,12 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(requests[:4], params, use_tqdm=False)
+    args.startup_s = time.perf_counter() - started
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -49,7 +58,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("pagedserve", "vllm"), required=True)
+    parser.add_argument("--engine", choices=("pagedserve", "pagedserve-compiled", "vllm"), required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--dtype", default="bfloat16")
@@ -59,7 +68,7 @@ def main() -> None:
     with open(args.prompts) as handle:
         workload = json.load(handle)
     prompts, output_len = workload["prompts"], workload["output_len"]
-    runner = run_pagedserve if args.engine == "pagedserve" else run_vllm
+    runner = run_vllm if args.engine == "vllm" else run_pagedserve
     seconds = runner(args, prompts, output_len)
     num_input = sum(map(len, prompts))
     num_output = len(prompts) * output_len
@@ -68,6 +77,7 @@ def main() -> None:
         + json.dumps(
             {
                 "seconds": round(seconds, 2),
+                "startup_s": round(args.startup_s, 1),
                 "requests_per_s": round(len(prompts) / seconds, 3),
                 "output_tokens_per_s": round(num_output / seconds, 1),
                 "total_tokens_per_s": round((num_input + num_output) / seconds, 1),

@@ -14,13 +14,21 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.kernels import AttentionBackend
+from pagedserve.workers.compile import compile_model, should_compile
 from pagedserve.workers.models.registry import model_class
 from pagedserve.workers.parallel_state import ParallelContext
 
 
-def load_model(model_config: ModelConfig, parallel: ParallelContext, backend: AttentionBackend, device: torch.device) -> nn.Module:
+def load_model(
+    model_config: ModelConfig,
+    parallel: ParallelContext,
+    backend: AttentionBackend,
+    device: torch.device,
+    engine_config: EngineConfig | None = None,
+) -> nn.Module:
+    """This rank's model, loaded and, where `engine_config` asks for it, compiled (workers/compile.py)."""
     cls = model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config.hf_config, model_config.architecture, parallel, backend, model_config.max_model_len)
@@ -29,7 +37,10 @@ def load_model(model_config: ModelConfig, parallel: ParallelContext, backend: At
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_config.model_path} lacks weights for {shown}")
-    return model.eval()
+    model.eval()
+    if engine_config is not None and should_compile(engine_config, device, parallel):
+        compile_model(model)
+    return model
 
 
 def iterate_checkpoint(folder: Path) -> Iterator[tuple[str, Any]]:

@@ -43,7 +43,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps, once the cache exists
 
     def load_model(self) -> None:
-        self.model = load_model(self.model_config, self.parallel, self.backend, self.device)
+        self.model = load_model(self.model_config, self.parallel, self.backend, self.device, self.engine_config)
 
     @property
     def hidden_size(self) -> int:

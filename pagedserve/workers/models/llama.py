@@ -9,14 +9,14 @@ the embedding, the last the final norm and LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from pagedserve.kernels import AttentionBackend, AttentionMetadata
 from pagedserve.workers.layers.activation import SiluAndMul
-from pagedserve.workers.layers.attention import Attention
+from pagedserve.workers.layers.attention import Attention, forward_context
 from pagedserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -68,7 +68,9 @@ def attention_dims(cfg: Any) -> tuple[int, int, int]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend, layer_index: int
+    ):
         super().__init__()
         num_heads, num_kv_heads, head_dim = attention_dims(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, num_heads, num_kv_heads, opts.qkv_bias, parallel)
@@ -77,9 +79,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.rotary = rotary
         qkv = self.qkv_proj
-        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, head_dim**-0.5, backend)
+        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, head_dim**-0.5, backend, layer_index)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -88,7 +90,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -106,15 +108,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self, cfg: Any, opts: DecoderOptions, parallel: ParallelContext, rotary: RotaryEmbedding, backend: AttentionBackend, layer_index: int
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, opts, parallel, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, opts, parallel, rotary, backend, layer_index)
         self.mlp = LlamaMLP(cfg, opts, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -127,16 +131,17 @@ class LlamaModel(nn.Module):
         stage_layers = layer_range(cfg.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(cfg, opts, parallel, rotary, backend) for i in stage_layers}
+            {str(i): LlamaDecoderLayer(cfg, opts, parallel, rotary, backend, i) for i in stage_layers}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 0 embeds `input_ids`; later stages continue from the previous stage's `hidden`."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 0 embeds `input_ids`; later stages continue from the previous stage's `hidden`.
+        Attention reads the step's metadata from `forward_context`, set by the caller."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
         for layer in self.layers.values():
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(positions, hidden)
         return self.norm(hidden) if self.norm is not None else hidden
 
 
@@ -151,9 +156,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_last_stage else None
         if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A plain dict, not a ModuleDict: the layers are registered once, under self.model.
+        self.attention_by_index = {attn.layer_index: attn for attn in self.attention_layers()}
+        # `torch.compile`d self.model (workers/compile.py), used for steps once the cache exists.
+        self.compiled_model: Callable[..., torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata | None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, hidden)
+        with forward_context(meta, self.attention_by_index):
+            # The memory-profiling pass (no metadata, no cache yet) stays eager: compiling it
+            # would trace a branch no step takes.
+            if self.compiled_model is not None and meta is not None:
+                return self.compiled_model(input_ids, positions, hidden)
+            return self.model(input_ids, positions, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of the last stage, complete on the first TP rank (None on the others)."""
