@@ -59,6 +59,11 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     enforce_eager: bool = False
+    engine_core_process: bool = Field(
+        False,
+        description="Run the engine core (scheduler + executor) in its own process, as vLLM v1 does, while this "
+        "process tokenizes, detokenizes and streams (AsyncLLM and LLM); False: one process (tests, debugging).",
+    )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."
