@@ -163,3 +163,28 @@ def test_core_dies_with_its_parent(model_dirs):
     finally:
         parent.kill()
         parent.wait()
+
+
+def alive_workers(ray) -> list:
+    from ray.util.state import list_actors
+
+    # This session's cluster by address: other Rays run on the same machine.
+    address = ray.get_runtime_context().gcs_address
+    return list_actors(address=address, filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
+
+
+def test_ray_executor_runs_under_the_core_process(ray_cluster, model_dirs, hf_references):
+    """The core joins this process's Ray cluster (its address and namespace) and drives TP=2
+    worker actors from there; they go when the core shuts down."""
+    llm = LLM(str(model_dirs["llama"]), max_model_len=128, tensor_parallel_size=2, distributed_executor_backend="ray", **CORE)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        for output in outputs:
+            assert output.outputs[0].token_ids == hf_references["llama"].greedy(output.prompt_token_ids, 16)
+        assert len(alive_workers(ray_cluster)) == 2
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 60
+    while alive_workers(ray_cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_workers(ray_cluster)
