@@ -151,6 +151,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_core_dies_with_its_parent(model_dirs):
     """No orphan: a parent killed without a chance to clean up still takes its core along."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(model_dirs["llama"])], stdout=subprocess.PIPE, text=True)
@@ -173,6 +174,7 @@ def alive_workers(ray) -> list:
     return list_actors(address=address, filters=[("class_name", "=", "Worker"), ("state", "=", "ALIVE")])
 
 
+@pytest.mark.slow
 def test_ray_executor_runs_under_the_core_process(ray_cluster, model_dirs, hf_references):
     """The core joins this process's Ray cluster (its address and namespace) and drives TP=2
     worker actors from there; they go when the core shuts down."""
