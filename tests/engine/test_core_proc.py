@@ -86,7 +86,7 @@ def test_startup_error_reaches_the_caller(model_dirs):
 
 
 async def open_streams(llm: AsyncLLM) -> list:
-    """Four long requests, each past its first output."""
+    """Four long requests (up to max_model_len), each past its first output."""
     long = SamplingParams(max_tokens=100_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     streams = [llm.generate(p, long, f"s{i}") for i, p in enumerate(PROMPTS)]
     for stream in streams:
@@ -109,7 +109,7 @@ async def drain(streams: list) -> list:
 def test_dead_core_ends_every_stream(model_dirs):
     """The replica notices its core died: every open stream ends with EngineDeadError, health
     turns false, and new requests fail at once."""
-    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=64, **CORE)
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256, **CORE)
     try:
         async def run():
             streams = await open_streams(llm)
@@ -126,7 +126,7 @@ def test_dead_core_ends_every_stream(model_dirs):
 
 
 def test_shutdown_ends_streams_and_the_core_exits(model_dirs):
-    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=64, **CORE)
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256, **CORE)
     pid = llm.engine.core.pid
 
     async def run():
