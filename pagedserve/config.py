@@ -64,6 +64,11 @@ class EngineConfig(BaseModel):
         "model on the CPU (TP size 1), at start-up, cached on disk; default (None): CUDA graphs on a GPU, eager on the CPU "
         "(compiling costs minutes on a small CPU for about 12% faster bf16 decode, measured).",
     )
+    engine_core_process: bool = Field(
+        False,
+        description="Run the engine core (scheduler + executor) in its own process, as vLLM v1 does, while this "
+        "process tokenizes, detokenizes and streams (AsyncLLM and LLM); False: one process (tests, debugging).",
+    )
     max_logprobs: int = Field(20, ge=0, description="Largest `logprobs` a request may ask for.")
     max_worker_restarts: int = Field(
         3, ge=0, description="Times in a row a dead worker group is rebuilt before the engine gives up."

@@ -1,9 +1,14 @@
-"""AsyncLLM: the engine loop in a background thread, streaming outputs to asyncio callers.
+"""AsyncLLM: the engine behind asyncio callers, streaming each request's outputs.
 
-The loop thread alone touches the scheduler and the output processor (so neither needs locks);
-callers validate their input in their own thread, then hand the request over through a command
-queue. The loop sleeps on a condition variable whenever it has nothing to do: an idle engine uses
-no CPU. Each request's outputs reach its caller through an asyncio queue on the caller's loop.
+Two modes (EngineConfig.engine_core_process):
+- In-process: the engine loop runs in a background thread. It alone touches the scheduler and
+  the output processor (so neither needs locks); callers validate their input in their own
+  thread, then hand the request over through a command queue. The loop sleeps on a condition
+  variable whenever it has nothing to do: an idle engine uses no CPU.
+- Core process: the scheduler and executor run in a child process (engine/core/); callers send
+  requests to it at once, and an output thread here turns each step's news into outputs
+  (detokenizing, stop strings) while the core runs its next step.
+Each request's outputs reach its caller through an asyncio queue on the caller's loop.
 
 An error inside the loop (or an engine that died because its workers could not be rebuilt) is
 delivered to every waiting caller; `is_healthy` turns false for health checks.
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedserve.config import EngineConfig, WorkerPlacement
+from pagedserve.engine.core.proc_engine import ProcEngine
 from pagedserve.engine.input_processor import ProcessedPrompt, PromptType, ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
@@ -90,7 +96,8 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
         """`placement`: the bundles of a Ray Serve replica's group for the workers (see Executor.create)."""
-        self.engine = LLMEngine(config, placement)
+        self.is_core_process = config.engine_core_process
+        self.engine: LLMEngine | ProcEngine = (ProcEngine if self.is_core_process else LLMEngine)(config, placement)
         self.config = config
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -102,7 +109,8 @@ class AsyncLLM:
         self._step_started: float | None = None  # set by the loop thread while a step runs
         self._stats = self.engine.stats_snapshot()  # refreshed by the loop thread
         self._stats_time = 0.0
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine-loop", daemon=True)
+        target = self._run_outputs if self.is_core_process else self._run
+        self._thread = threading.Thread(target=target, name="pagedserve-engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -127,7 +135,7 @@ class AsyncLLM:
             return str(self._error)
         if self._stopping:
             return SHUTDOWN_REASON
-        started = self._step_started
+        started = self.engine.step_started if self.is_core_process else self._step_started
         if started is not None and time.monotonic() - started > self.config.step_timeout_s:
             return f"an engine step has been running for {time.monotonic() - started:.0f} s (step_timeout_s={self.config.step_timeout_s:g})"
         return self.engine.dead_reason or (None if self._thread.is_alive() else "the engine loop has stopped")
@@ -150,9 +158,7 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._admit(sampling_params.n)
             self._streams[request_id] = stream
-            self._commands.append(_AddCommand(request_id, processed, sampling_params, time.monotonic()))
-            self._num_queued_children += sampling_params.n
-            self._wakeup.notify()
+            self._submit(_AddCommand(request_id, processed, sampling_params, time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -171,8 +177,22 @@ class AsyncLLM:
         with self._lock:
             self._streams.pop(request_id, None)
             if not self._stopping:
-                self._commands.append(_AbortCommand(request_id))
-                self._wakeup.notify()
+                self._submit(_AbortCommand(request_id))
+
+    def _submit(self, command: _AddCommand | _AbortCommand) -> None:
+        """Under the lock. A core process takes commands at once (its engine is thread-safe);
+        an in-process engine's loop thread applies them between steps."""
+        if self.is_core_process:
+            try:
+                self._apply(command, raise_errors=True)
+            except BaseException:
+                self._streams.pop(command.request_id, None)
+                raise
+            return
+        self._commands.append(command)
+        if isinstance(command, _AddCommand):
+            self._num_queued_children += command.params.n
+        self._wakeup.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """End every open stream with EngineDeadError at once (later calls fail at once too),
@@ -182,6 +202,8 @@ class AsyncLLM:
             self._stopping = True
             self._wakeup.notify()
         self._end_streams(EngineDeadError(SHUTDOWN_REASON))
+        if self.is_core_process:  # the core leaves its step, releases its workers and exits
+            self.engine.shutdown(timeout)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -202,7 +224,7 @@ class AsyncLLM:
         limit = self.config.max_waiting_requests
         if limit is None:
             return
-        num_waiting = self.engine.scheduler.num_waiting + self._num_queued_children
+        num_waiting = self.engine.num_waiting_requests + self._num_queued_children
         if num_waiting + num_children > limit:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_waiting} requests wait for the engine (max_waiting_requests={limit}); retry later"
@@ -239,6 +261,20 @@ class AsyncLLM:
             logger.exception("engine loop failed")
             self._fail(error)
 
+    def _run_outputs(self) -> None:
+        """The output thread of a core process: each of its steps in turn, until it ends."""
+        try:
+            while not self._stopping:
+                outputs = self.engine.step()  # waits for the core's next step
+                self._deliver(outputs)
+                self._refresh_stats(force=not self.engine.has_unfinished_requests())
+                if self.engine.is_dead:
+                    raise EngineDeadError(self.engine.dead_reason)
+        except BaseException as error:
+            if not self._stopping:  # at shutdown the core's exit is expected
+                logger.exception("engine core failed")
+                self._fail(error)
+
     def _refresh_stats(self, force: bool = False) -> None:
         """Snapshots are taken here, on the loop thread, so they never see a half-done step."""
         now = time.monotonic()
@@ -246,13 +282,15 @@ class AsyncLLM:
             self._stats = self.engine.stats_snapshot()
             self._stats_time = now
 
-    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+    def _apply(self, command: _AddCommand | _AbortCommand, raise_errors: bool = False) -> None:
         if isinstance(command, _AbortCommand):
             self.engine.abort_request(command.request_id)
             return
         try:
             self.engine.add_processed_request(command.request_id, command.processed, command.params, command.arrival_time)
         except Exception as error:  # reaches only this request's caller
+            if raise_errors:
+                raise
             stream = self._streams.get(command.request_id)
             if stream is not None:
                 stream.put(error)

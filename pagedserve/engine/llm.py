@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import render_chat
+from pagedserve.engine.core.proc_engine import ProcEngine
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
@@ -22,15 +23,16 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    """An engine in this process, for batch generation. Every keyword argument is a field of
-    `EngineConfig` (see pagedserve/config.py); an unknown one is an error naming it."""
+    """An engine for batch generation: in this process, or with `engine_core_process=True` its
+    core in a child process while this one tokenizes and detokenizes. Every keyword argument is a
+    field of `EngineConfig` (see pagedserve/config.py); an unknown one is an error naming it."""
 
     def __init__(self, model: str, **kwargs: Any):
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(config)
+        self.llm_engine: LLMEngine | ProcEngine = (ProcEngine if config.engine_core_process else LLMEngine)(config)
         self._request_counter = itertools.count()
         # Release workers and caches on shutdown(), garbage collection or interpreter exit.
-        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.llm_engine)
+        self._finalizer = weakref.finalize(self, type(self.llm_engine).shutdown, self.llm_engine)
         atexit.register(self._finalizer)
 
     def get_tokenizer(self) -> Any:

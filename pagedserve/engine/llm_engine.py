@@ -120,6 +120,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -1,8 +1,14 @@
-"""AsyncLLM: the background engine loop, streaming to asyncio callers."""
+"""AsyncLLM: the background engine loop, streaming to asyncio callers. The shared fixtures run
+each test in both modes: the engine in this process, and its core in a child process
+(engine_core_process; tests/engine/test_core_proc.py has that mode's own failures)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -15,9 +21,13 @@ from pagedserve.sampling_params import RequestOutputKind
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "café 日本語"]
 
 
-@pytest.fixture(scope="module")
-def async_llm(model_dirs):
-    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+# A core process gets one torch thread: the front end works beside it on this 2-core machine.
+MODES = [pytest.param({}, id="in-process"), pytest.param({"engine_core_process": True, "num_cpu_threads": 1}, id="core-process")]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def async_llm(model_dirs, request):
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256, **request.param)
     yield llm
     llm.shutdown()
 
@@ -66,11 +76,12 @@ def test_leaving_early_aborts_the_request(async_llm):
 
     asyncio.run(run())
     engine = async_llm.engine
-    deadline = time.monotonic() + 2
-    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while (engine.has_unfinished_requests() or async_llm.stats().kv_cache_usage_perc) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_total_blocks
+    stats = async_llm.stats()  # the scheduler's view (the core's, in a core process)
+    assert stats.kv_cache_usage_perc == 0 and stats.num_requests_running == 0 and stats.num_requests_waiting == 0
     assert engine.stats.request_success_total.get("abort", 0) == num_aborted_before + 1
 
 
@@ -177,48 +188,68 @@ def test_shutdown_ends_open_streams_and_waits_for_the_step(model_dirs):
     assert not llm.is_healthy
 
 
-@pytest.fixture(scope="module")
-def small_llm(model_dirs):
+@pytest.fixture(scope="module", params=MODES)
+def small_llm(model_dirs, request):
     """One running request at a time, two waiting at most, and a short step timeout."""
     llm = AsyncLLM.from_engine_args(
-        model=str(model_dirs["llama"]), max_model_len=256, max_num_seqs=1, max_waiting_requests=2, step_timeout_s=0.5, max_n=4
+        model=str(model_dirs["llama"]), max_model_len=256, max_num_seqs=1, max_waiting_requests=2, step_timeout_s=0.5, max_n=4,
+        **request.param,
     )
     yield llm
     llm.shutdown()
 
 
-def test_stalled_step_is_unhealthy(small_llm):
-    import threading
-
+@contextlib.contextmanager
+def wedged_step(llm: AsyncLLM):
+    """An engine step that makes no progress until the block ends: in-process, the loop
+    thread's step waits on an event; with a core process, the core is stopped (SIGSTOP) in the
+    middle of a step. A request must be running when it is entered."""
+    if llm.is_core_process:
+        pid, clock = llm.engine.core.pid, llm.engine.core.clock
+        try:
+            for _ in range(1000):  # catch the core inside a step, not between two
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.005)
+                if clock.started is not None:
+                    break
+                os.kill(pid, signal.SIGCONT)
+            assert clock.started is not None
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return
     release, entered = threading.Event(), threading.Event()
-    step = small_llm.engine.step
+    step = llm.engine.step
 
-    def wedged_step():
+    def wedged():
         entered.set()
         release.wait(60)
         return step()
 
-    small_llm.engine.step = wedged_step
+    llm.engine.step = wedged
     try:
-        async def run():
-            stream = small_llm.generate("Hello", SamplingParams(max_tokens=2), "wedged")
-            first = asyncio.ensure_future(anext(stream))
-            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        assert entered.wait(30)
+        yield
+    finally:
+        llm.engine.step = step
+        release.set()
+
+
+def test_stalled_step_is_unhealthy(small_llm):
+    async def run():
+        stream = small_llm.generate("Hello", SamplingParams(max_tokens=100, ignore_eos=True), "wedged")
+        await anext(stream)
+        with wedged_step(small_llm):
             deadline = time.monotonic() + 30
             while small_llm.is_healthy and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             reason = small_llm.dead_reason
-            release.set()
-            await first
-            await stream.aclose()
-            return reason
+        rest = [output async for output in stream]
+        return reason, rest
 
-        reason = asyncio.run(run())
-    finally:
-        small_llm.engine.step = step
-        release.set()
+    reason, rest = asyncio.run(run())
     assert "step_timeout_s=0.5" in reason
-    assert small_llm.is_healthy  # the step ended: healthy again
+    assert rest[-1].finished and small_llm.is_healthy  # the step ended: healthy again
 
 
 def test_slow_consumer_holds_one_pending_output(small_llm):
