@@ -11,12 +11,14 @@ through Serve's class-based routing, and string annotations defeat it.)
 
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -151,6 +153,23 @@ async def _bounded_body(receive: Any, headers: dict[str, str], limit: int) -> An
 app.add_middleware(RequestGate)
 
 
+@contextlib.contextmanager
+def _own_internal_request_id() -> Iterator[None]:
+    """Serve gives every handle call made while serving one HTTP request that request's internal
+    id, and its request router files pending calls by it: of several concurrent calls (a
+    completion's prompt list, a resume beside a closing stream) all but one would never be
+    routed, and a router's per-call state would mix them up. Each engine call gets its own."""
+    from ray.serve import context
+    from ray.serve._private.utils import generate_request_id
+
+    current = context._get_serve_request_context()
+    token = context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=generate_request_id()))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
 class ServeEngineClient:
     """The LLMServer deployment as an EngineClient: a streaming handle call per request."""
 
@@ -161,7 +180,8 @@ class ServeEngineClient:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
-        responses = self.handle.generate.remote(request_id, prompt, params, resume)
+        with _own_internal_request_id():
+            responses = self.handle.generate.remote(request_id, prompt, params, resume)
         try:
             async for item in responses:
                 yield item
