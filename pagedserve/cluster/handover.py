@@ -241,13 +241,6 @@ async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Fut
     return HANDED_OVER
 
 
-def router_config(router_class: str = "pagedserve.cluster.handover:PowerOfTwoRouter") -> Any:
-    """The LLMServer deployment's `request_router_config`: a router with `HandoverMixin`."""
-    from ray.serve.config import RequestRouterConfig
-
-    return RequestRouterConfig(request_router_class=router_class)
-
-
 def is_stopped_by_serve(error: BaseException) -> bool:
     """A replica's actor error because Serve's controller ended it (`ray.kill` after the
     graceful-shutdown period), as opposed to a crash (a killed process, a lost node)."""
