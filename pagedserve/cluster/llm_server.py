@@ -73,7 +73,8 @@ class LLMServer:
         self.replica_id = str(serve.get_replica_context().replica_id)
         self.metrics_hub = metrics_hub
         self.engine_config = engine_config
-        self.routing_stats = RoutingStatsReporter(self.llm.engine.kv_cache_manager.pool)
+        kv_cache_manager = getattr(self.llm.engine, "kv_cache_manager", None)  # None: the core runs in its own process
+        self.routing_stats = RoutingStatsReporter(kv_cache_manager.pool if kv_cache_manager is not None else None)
         self._stopped = threading.Event()
         if metrics_hub is not None:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()

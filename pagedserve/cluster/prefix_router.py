@@ -76,7 +76,8 @@ class ReplicaPrefixTable:
         if previous is not None and stats.report_index == previous.report_index:
             return
         self.stats = stats
-        self.capacity = max(stats.num_total_blocks, 1)
+        if stats.num_total_blocks > 0:  # 0: the replica cannot see its cache (engine core process)
+            self.capacity = stats.num_total_blocks
         if previous is not None and stats.num_prefix_cache_resets != previous.num_prefix_cache_resets:
             self.keys.clear()
             return

@@ -50,16 +50,18 @@ class RoutingStats:
 class RoutingStatsReporter:
     """The replica's side: turns engine statistics and the block pool's eviction log into
     reports. Called on the replica's event loop while the engine loop thread runs; it only
-    pops from the pool's deque and reads counters, which is safe across threads."""
+    pops from the pool's deque and reads counters, which is safe across threads. With the
+    engine core in its own process the pool is out of reach (`pool` None): reports carry the load
+    only, no evictions and a cache size of 0 (unknown), and routers keep their default bound."""
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool | None):
         self.pool = pool
         self.last: RoutingStats | None = None
 
     def report(self, stats: EngineStats) -> RoutingStats:
         """The next report; the previous one again when nothing changed (an idle replica then
         costs Serve no broadcast to every router)."""
-        log = self.pool.evicted_routing_keys
+        log = self.pool.evicted_routing_keys if self.pool is not None else ()
         keys = []
         while log and len(keys) < MAX_REPORTED_EVICTIONS:
             keys.append(log.popleft())
@@ -75,8 +77,8 @@ class RoutingStatsReporter:
             num_running=stats.num_requests_running,
             num_waiting=stats.num_requests_waiting,
             kv_cache_usage=stats.kv_cache_usage_perc,
-            num_total_blocks=self.pool.num_blocks,
-            num_evicted_blocks=self.pool.num_evicted_blocks,
-            num_prefix_cache_resets=self.pool.num_prefix_cache_resets,
+            num_total_blocks=self.pool.num_blocks if self.pool is not None else 0,
+            num_evicted_blocks=self.pool.num_evicted_blocks if self.pool is not None else 0,
+            num_prefix_cache_resets=self.pool.num_prefix_cache_resets if self.pool is not None else 0,
             evicted_routing_keys=keys,
         )

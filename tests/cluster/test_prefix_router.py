@@ -222,3 +222,14 @@ def test_prefix_aware_needs_the_prefix_cache():
     assert request_router_config(ServerConfig(model="tiny"))["request_router_class"].endswith("PrefixAwareRouter")
     unprefixed = request_router_config(ServerConfig(model="tiny", engine={"enable_prefix_caching": False}))
     assert unprefixed["request_router_class"].endswith("handover:PowerOfTwoRouter")
+
+
+def test_a_replica_without_its_block_pool_reports_load_only():
+    """With the engine core in its own process the replica cannot see its block pool: its reports
+    carry the load and no evictions, and the router's table keeps its default bound."""
+    report = RoutingStatsReporter(None).report(EngineStats(num_requests_running=3))
+    assert (report.num_running, report.evicted_routing_keys, report.num_total_blocks) == (3, [], 0)
+    table = ReplicaPrefixTable()
+    table.insert([1, 2, 3])
+    table.apply(report)
+    assert table.capacity > 3 and table.num_matched([1, 2, 3]) == 3
