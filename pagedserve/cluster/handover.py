@@ -144,6 +144,7 @@ class _Progress:
     num_sent_chars: int = 0
     cumulative_logprob: float | None = None
     num_items: int = 0
+    is_finished: bool = False  # the final item arrived: only the stream's end is left to read
 
     def record(self, output: RequestOutput) -> None:
         if self.prompt_token_ids is None:
@@ -153,9 +154,13 @@ class _Progress:
             self.output_token_ids += completion.token_ids
             self.num_sent_chars += len(completion.text)
             self.cumulative_logprob = completion.cumulative_logprob
+            self.is_finished = self.is_finished or completion.finish_reason is not None
 
     def can_move(self, params: SamplingParams) -> bool:
-        """Nothing sent yet: start again anywhere. Else only a one-sample stream resumes."""
+        """Nothing sent yet: start again anywhere. Else only a one-sample stream resumes, and not
+        once its final item arrived (a resume would have no tokens left to make)."""
+        if self.is_finished:
+            return False
         return self.num_items == 0 or (params.n == 1 and params.output_kind == RequestOutputKind.DELTA)
 
     def resume(self) -> ResumeState | None:
