@@ -72,7 +72,6 @@ class LLMServer:
         self.stream_interval_s = config.stream_interval_ms / 1000
         self.replica_id = str(serve.get_replica_context().replica_id)
         self.metrics_hub = metrics_hub
-        self.engine_config = engine_config
         kv_cache_manager = getattr(self.llm.engine, "kv_cache_manager", None)  # None: the core runs in its own process
         self.routing_stats = RoutingStatsReporter(kv_cache_manager.pool if kv_cache_manager is not None else None)
         self._stopped = threading.Event()
@@ -144,7 +143,7 @@ class LLMServer:
     async def prompt_spec(self) -> dict[str, Any]:
         """What the ingress needs to tokenize for this engine (it resolves and loads the same
         tokenizer itself, so prompts reach the router as token ids)."""
-        config = self.engine_config
+        config = self.llm.config
         return {"model": config.model, "tokenizer": config.tokenizer, "revision": config.revision}
 
     def record_routing_stats(self) -> dict[str, Any]:
