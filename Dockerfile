@@ -7,6 +7,10 @@ ARG RAY_VERSION=2.60.0
 ARG VARIANT=cpu
 
 FROM rayproject/ray:${RAY_VERSION}-py311-cpu AS base-cpu
+# g++ builds pagedserve's C++ CPU attention kernel on each node at first use (-march=native, so
+# it is built where it runs, not here); without it the engine keeps its slower pure-torch path.
+RUN sudo apt-get update && sudo apt-get install -y --no-install-recommends g++ \
+    && sudo rm -rf /var/lib/apt/lists/*
 # PyPI's torch for Linux is the CUDA build (GBs of CUDA libraries); the CPU nodes get the CPU
 # build of the same pinned version from PyTorch's index first, so the install below keeps it.
 COPY --chown=ray:users constraints.txt /tmp/constraints.txt

@@ -3,8 +3,9 @@ time (`time.thread_time`, the least of `--repeats` calls), not wall time, so the
 machine shared with other work.
 
 Decode attention: `--num-seqs` decode rows of random context lengths over a paged cache shaped like
-SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), reference vs the `cpu` backend, in
-float32 and bfloat16, one layer. Sampler: `--num-seqs` rows over a 49,152-token vocabulary at
+SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), reference vs the pure-torch `cpu`
+backend vs the C++ `native` one, in float32 and bfloat16, one layer; and one prefill chunk of
+`--prefill-tokens` tokens, reference vs `native`. Sampler: `--num-seqs` rows over a 49,152-token vocabulary at
 temperature 1 (what `vllm bench serve` sends) and greedy; the exponential race over the whole
 vocabulary (the sampler before issue 10) vs `Sampler` now. With `--model` (a Llama-family Hugging
 Face folder): the whole forward pass of that model in bfloat16 and float32, eager vs compiled
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagedserve.kernels import cpu_attention, reference  # noqa: E402
+from pagedserve.kernels import cpu_attention, cpu_native, reference  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.step_inputs import CachedRequestState  # noqa: E402
 from pagedserve.workers.sampler import Sampler  # noqa: E402
@@ -58,7 +59,15 @@ def attention(args: argparse.Namespace) -> dict:
         inputs = (batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, batch.scale)
         ref = cpu_ms(lambda: reference.paged_attention(*inputs), args.repeats)
         fast = cpu_ms(lambda: cpu_attention.paged_attention(*inputs), args.repeats)
-        result[str(dtype).removeprefix("torch.")] = {"reference_ms": ref, "cpu_ms": fast, "speedup": round(ref / fast, 2)}
+        row = {"reference_ms": ref, "cpu_ms": fast, "speedup": round(ref / fast, 2)}
+        if cpu_native.is_available():
+            native = cpu_ms(lambda: cpu_native.paged_attention(*inputs), args.repeats)
+            row |= {"native_ms": native, "native_vs_reference": round(ref / native, 2), "native_vs_cpu": round(fast / native, 2)}
+            prefill = make_batch([args.prefill_tokens], [0], 9, 3, head_dim=64, block_size=16, dtype=dtype)
+            prefill_inputs = (prefill.query, prefill.key, prefill.value, prefill.kv_cache, prefill.meta, prefill.scale)
+            row["prefill_reference_ms"] = cpu_ms(lambda: reference.paged_attention(*prefill_inputs), args.repeats)
+            row["prefill_native_ms"] = cpu_ms(lambda: cpu_native.paged_attention(*prefill_inputs), args.repeats)
+        result[str(dtype).removeprefix("torch.")] = row
     return result
 
 

@@ -48,7 +48,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "cpu", "triton", "flash_attn"] = "auto"
+    attention_backend: Literal["auto", "torch", "native", "cpu", "triton", "flash_attn"] = "auto"
     num_cpu_threads: int | None = Field(
         None,
         ge=1,

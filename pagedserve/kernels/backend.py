@@ -1,10 +1,12 @@
 """Choosing an attention implementation: one signature per operation, several implementations.
 
-`torch` is the reference (the plain ground truth); `cpu` the fast CPU path of `cpu_attention`
-(tested against the reference; what `auto` picks on the CPU in half precision); `triton` the paged kernels of
+`torch` is the reference (the plain ground truth); `native` the C++ CPU kernel of `cpu_native`
+(built on first use; what `auto` picks on the CPU when it builds); `cpu` the pure-torch fast path
+of `cpu_attention` (tested against the reference; `auto`'s CPU pick in half precision when the
+native kernel cannot be built); `triton` the paged kernels of
 `triton_attention` (on CUDA, or on the CPU under TRITON_INTERPRET=1 for tests); `flash_attn`
-flash-attn's paged API where that package is installed. `auto` is Triton on CUDA; on the CPU, cpu
-in half precision and the reference in float32.
+flash-attn's paged API where that package is installed. `auto` is Triton on CUDA; on the CPU,
+native, or without a compiler cpu in half precision and the reference in float32.
 The non-reference backends are imported only when chosen, so a CPU install never needs them.
 """
 
@@ -16,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from pagedserve.kernels import cpu_attention, reference
+from pagedserve.kernels import cpu_attention, cpu_native, reference
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class AttentionBackend:
 TORCH = AttentionBackend("torch", reference.kv_cache_shape, reference.write_kv_cache, reference.paged_attention)
 # The reference's cache layout and writer: only decode attention differs.
 CPU = AttentionBackend("cpu", reference.kv_cache_shape, reference.write_kv_cache, cpu_attention.paged_attention)
+NATIVE = AttentionBackend("native", reference.kv_cache_shape, reference.write_kv_cache, cpu_native.paged_attention)
 # Backends whose kernels read lengths from device tensors only, so a CUDA graph can capture them.
 GRAPH_SAFE_BACKENDS = ("triton", "flash_attn")
 
@@ -43,6 +46,8 @@ def get_attention_backend(
     if name == "auto":
         if device == "cuda":
             name = "triton" if _triton_installed() else "torch"
+        elif cpu_native.is_available():
+            name = "native"
         else:
             # Measured (benchmarks/cpu_kernels.py): the fused path wins in half precision, where
             # the reference upcasts every K/V chunk; in float32 the reference's matmuls are faster.
@@ -53,11 +58,20 @@ def get_attention_backend(
         if device != "cpu":
             raise ValueError("attention_backend='cpu' runs on the CPU only; on CUDA use 'auto', 'triton' or 'flash_attn'")
         return CPU
+    if name == "native":
+        if device != "cpu":
+            raise ValueError("attention_backend='native' runs on the CPU only; on CUDA use 'auto', 'triton' or 'flash_attn'")
+        if not cpu_native.is_available():
+            raise ValueError(
+                "attention_backend='native' could not build its C++ kernel (needs g++; the log says why); "
+                "use 'auto' or 'cpu' on the CPU"
+            )
+        return NATIVE
     if name == "triton":
         return _triton_backend(device)
     if name == "flash_attn":
         return _flash_attn_backend(device, block_size, dtype)
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, cpu, triton or flash_attn")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, native, cpu, triton or flash_attn")
 
 
 def _triton_installed() -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.kernels import AttentionBackend
 from pagedserve.workers.compile import compile_model, should_compile
+from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.models.registry import model_class
 from pagedserve.workers.parallel_state import ParallelContext
 
@@ -38,6 +39,7 @@ def load_model(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_config.model_path} lacks weights for {shown}")
     model.eval()
+    cpu_gemm.pack_model(model)  # a no-op off the CPU and in float32
     if engine_config is not None and should_compile(engine_config, device, parallel):
         compile_model(model)
     return model

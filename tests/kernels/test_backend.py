@@ -9,10 +9,12 @@ from pagedserve.kernels import flash_attn, get_attention_backend, reference, tri
 from tests.kernels.conftest import DEVICE
 
 
-def test_auto_is_cpu_in_half_precision_on_cpu_and_triton_on_cuda():
-    assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
-    assert get_attention_backend("auto", "cpu", dtype=torch.float32).name == "torch"
+def test_auto_is_native_on_cpu_and_triton_on_cuda():
+    # Without a C++ compiler `auto` on the CPU is `cpu`/`torch`: tests/kernels/test_cpu_native.py.
+    assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "native"
+    assert get_attention_backend("auto", "cpu", dtype=torch.float32).name == "native"
     assert get_attention_backend("auto", "cuda").name == "triton"
+    assert get_attention_backend("cpu", "cpu").name == "cpu"  # the pure-torch fast path stays selectable
     assert get_attention_backend("torch", "cpu").name == "torch"  # the reference stays selectable
 
 

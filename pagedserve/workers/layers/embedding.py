@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.layers.linear import new_parameter
 from pagedserve.workers.parallel_state import ParallelContext
 
@@ -43,6 +44,20 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocabulary range, gathered to the first TP rank."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """A oneDNN-packed copy for the logits (cpu_gemm); the plain weight stays, since a tied
+        head shares it with the embedding."""
+        if not cpu_gemm.can_pack(self.weight):
+            return False
+        self.packed_weight = cpu_gemm.pack(self.weight)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.parallel.gather_to_first(F.linear(hidden, self.weight))
+        if self.packed_weight is not None:
+            local = cpu_gemm.linear(hidden, self.packed_weight, None)
+        else:
+            local = F.linear(hidden, self.weight)
+        logits = self.parallel.gather_to_first(local)
         return logits[:, : self.vocab_size] if logits is not None else None

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.parallel_state import ParallelContext, divide
 
 
@@ -44,13 +45,28 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output size")
         self.weight = new_parameter(self.output_size_per_rank, input_size, loader=self.weight_loader)
         self.bias = new_parameter(self.output_size_per_rank, loader=self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.output_size_per_rank
         copy_rows(param, loaded, self.parallel.tp_rank * size, size)
 
+    def pack_for_cpu(self) -> bool:
+        return pack_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_gemm.linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_weight(layer: nn.Module) -> bool:
+    """After loading: the layer's weight in oneDNN's layout (cpu_gemm), the plain copy freed."""
+    if not cpu_gemm.can_pack(layer.weight):
+        return False
+    layer.packed_weight = cpu_gemm.pack(layer.weight)
+    layer.weight.data = layer.weight.data.new_empty(0)  # only the packed copy is read from now on
+    return True
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -113,12 +129,17 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide(input_size, parallel.tp_size, "input size")
         self.weight = new_parameter(output_size, self.input_size_per_rank, loader=self.weight_loader)
         self.bias = new_parameter(output_size, loader=default_weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.input_size_per_rank
         start = self.parallel.tp_rank * size
         param.data.copy_(loaded[:, start : start + size])
 
+    def pack_for_cpu(self) -> bool:
+        return pack_weight(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        partial = F.linear(x, self.weight) if self.packed_weight is None else cpu_gemm.linear(x, self.packed_weight, None)
+        out = self.parallel.all_reduce(partial)
         return out + self.bias if self.bias is not None else out

@@ -1,0 +1,108 @@
+"""The native C++ CPU attention (`cpu_native`) against the torch reference: decode, prefill,
+chunked prefill and mixed batches; GQA/MQA/MHA; head_dim 64 and 128 (the register-resident AVX-512
+path) and 32 (the portable loop); block sizes 1 to 64; float32, bfloat16 and float16. The kernel
+is built here if this machine has none cached (a g++ is part of the test setup, as for
+torch.compile); building it is part of what is tested."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_native, get_attention_backend, native_build, reference
+from tests.kernels.paged_batch import PagedBatch, make_batch, random_lengths
+
+CASES = {
+    "decode_only": ([1, 1, 1, 1, 1], [70, 33, 32, 15, 0]),
+    "prefill_only": ([17, 2, 40, 8], [0, 0, 0, 0]),
+    "chunked_prefill": ([16, 9], [48, 5]),
+    "mixed": ([1, 1, 1, 12, 30, 3], [50, 17, 8, 0, 21, 64]),
+}
+# Compared with the reference in float32 on the same rounded inputs; the kernel accumulates in
+# float32 and rounds its output once (bfloat16: a relative 2^-8; float16: 2^-11).
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_native.is_available(), "the native CPU kernel did not build (g++ and torch's headers are needed)"
+
+
+def check_against_reference(batch: PagedBatch) -> None:
+    cache = batch.kv_cache.clone()
+    reference.write_kv_cache(batch.key, batch.value, cache, batch.meta.slot_mapping)
+    f32 = [t.float() for t in (batch.query, batch.key, batch.value, cache)]
+    expected = reference.paged_attention(*f32, batch.meta, batch.scale)
+    actual = cpu_native.paged_attention(batch.query, batch.key, batch.value, cache, batch.meta, batch.scale)
+    assert actual.dtype == batch.query.dtype and actual.shape == batch.query.shape
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (4, 1)], ids=["mha", "gqa3", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_reference(case, head_dim, heads, dtype):
+    batch = make_batch(*CASES[case], heads[0], heads[1], head_dim=head_dim, block_size=16, dtype=dtype)
+    check_against_reference(batch)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 64])
+def test_block_sizes(block_size):
+    batch = make_batch(*CASES["mixed"], num_heads=6, num_kv_heads=2, head_dim=64, block_size=block_size, seed=1, dtype=torch.bfloat16)
+    check_against_reference(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [10, 11])
+def test_random_ragged_batches(seed, dtype):
+    query_lens, context_lens = random_lengths(num_decodes=12, num_prefills=3, max_context=300, max_query=40, seed=seed)
+    batch = make_batch(query_lens, context_lens, 9, 3, head_dim=64, block_size=16, dtype=dtype, seed=seed)
+    check_against_reference(batch)
+
+
+def test_threads_split_the_same_answer():
+    """Rows are split across torch's threads: the answer must not depend on how."""
+    batch = make_batch(*CASES["mixed"], 8, 2, head_dim=64, dtype=torch.bfloat16, seed=5)
+    cache = batch.kv_cache.clone()
+    reference.write_kv_cache(batch.key, batch.value, cache, batch.meta.slot_mapping)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu_native.paged_attention(batch.query, batch.key, batch.value, cache, batch.meta, batch.scale))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_auto_picks_native_on_the_cpu():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert get_attention_backend("auto", "cpu", dtype=dtype).name == "native"
+    assert get_attention_backend("native", "cpu").name == "native"
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("native", "cuda")
+
+
+def test_unbuildable_kernel_falls_back(monkeypatch, caplog, tmp_path):
+    """No compiler: `auto` keeps the pure-torch paths and says why; `native` asked by name is an
+    error that names the alternatives."""
+    monkeypatch.setattr(native_build, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(native_build.ENV_CACHE, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=native_build.__name__):
+        assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
+        assert get_attention_backend("auto", "cpu", dtype=torch.float32).name == "torch"
+    assert "pure-torch" in caplog.text
+    with pytest.raises(ValueError, match="could not build"):
+        get_attention_backend("native", "cpu")
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setattr(native_build, "_state", {})
+    monkeypatch.setenv(native_build.ENV_SWITCH, "0")
+    assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"

@@ -1,0 +1,55 @@
+"""Half-precision linear layers on the CPU run on oneDNN-packed weights (workers/layers/cpu_gemm):
+the same forward as `F.linear` on the plain weights, within bfloat16's rounding; float32 is left
+on `F.linear`; the plain copies are freed except a tied LM head's, which the embedding shares."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.workers.layers import cpu_gemm
+from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.workers.models.llama import attention_dims
+from tests.kernels.paged_batch import make_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from cpu_forward import build  # noqa: E402  (the model as a CPU worker loads it)
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _forward(model) -> torch.Tensor:
+    num_heads, num_kv_heads, head_dim = attention_dims(model.config)
+    query_lens, context_lens = [1, 1, 9, 5], [30, 12, 0, 7]
+    batch = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype=model.lm_head.weight.dtype)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    input_ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(0))
+    for attn in model.attention_layers():
+        attn.kv_cache = batch.kv_cache.clone()
+    hidden = model(input_ids, positions, batch.meta)
+    return model.compute_logits(hidden)
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+@torch.inference_mode()
+def test_packed_bf16_forward_matches_plain(model_dirs, monkeypatch):
+    packed = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
+    assert all(m.packed_weight is not None and m.weight.numel() == 0 for m in _linears(packed))
+    assert packed.lm_head.packed_weight is not None and packed.lm_head.weight.numel() > 0
+    monkeypatch.setattr(cpu_gemm, "can_pack", lambda weight: False)
+    plain = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
+    assert all(m.packed_weight is None for m in _linears(plain))
+    torch.testing.assert_close(_forward(packed), _forward(plain), atol=6e-2, rtol=6e-2)
+
+
+@torch.inference_mode()
+def test_float32_is_not_packed(model_dirs):
+    model = build(model_dirs["llama"], torch.float32, max_positions=128)
+    assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(model))
+    assert model.lm_head.packed_weight is None
