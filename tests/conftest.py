@@ -25,6 +25,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionstart(session):
+    """The native CPU attention kernel is built (once per machine, ~30 s) before any test starts
+    an engine, so no replica or server started under a test's timeout pays for the build."""
+    from pagedserve.kernels import native_build
+
+    native_build.load()
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("artifacts")
