@@ -21,19 +21,20 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import get_attention_backend
 from pagedserve.model_resolver import resolve_model_config
-from pagedserve.workers.compile import compile_model
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.models.llama import LlamaForCausalLM, attention_dims
 from pagedserve.workers.parallel_state import ParallelContext
 from tests.kernels.paged_batch import make_batch
 
 
-def build(folder: Path, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
-    """The model as a CPU worker loads it, eager (`forward_report` compiles it when asked)."""
-    config = EngineConfig(model=str(folder), dtype=str(dtype).removeprefix("torch."), max_model_len=max_positions)
+def build(folder: Path, dtype: torch.dtype, max_positions: int, compiled: bool = False) -> LlamaForCausalLM:
+    """The model as a CPU worker loads it: eager, or compiled at load (`enforce_eager=False`)."""
+    config = EngineConfig(
+        model=str(folder), dtype=str(dtype).removeprefix("torch."), max_model_len=max_positions, enforce_eager=not compiled
+    )
     model_config = resolve_model_config(config, lambda _: "cpu")
     backend = get_attention_backend("auto", "cpu", dtype=dtype)
-    return load_model(model_config, ParallelContext(), backend, torch.device("cpu"))
+    return load_model(model_config, ParallelContext(), backend, torch.device("cpu"), config)
 
 
 def steps(model: LlamaForCausalLM, args: argparse.Namespace, dtype: torch.dtype) -> dict:
@@ -60,16 +61,15 @@ def forward_report(args: argparse.Namespace, cpu_ms: Callable[..., float]) -> di
     for dtype_name in args.forward_dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         model = build(Path(args.model), dtype, 4096)
+        start = time.perf_counter()
+        compiled_model = build(Path(args.model), dtype, 4096, compiled=True)
+        compile_s = time.perf_counter() - start  # the load too: a second or two of it
         row = {}
         for name, (input_ids, positions, meta, kv_cache) in steps(model, args, dtype).items():
-            for attn in model.attention_layers():
+            for attn in [*model.attention_layers(), *compiled_model.attention_layers()]:
                 attn.kv_cache = kv_cache
-            model.compiled_model = None
             eager = cpu_ms(lambda: model(input_ids, positions, meta), args.repeats)
-            start = time.perf_counter()
-            compile_model(model)
-            compile_s = time.perf_counter() - start
-            compiled = cpu_ms(lambda: model(input_ids, positions, meta), args.repeats)
+            compiled = cpu_ms(lambda: compiled_model(input_ids, positions, meta), args.repeats)
             print(f"[forward] {dtype} {name}: eager {eager} ms, compiled {compiled} ms", file=sys.stderr, flush=True)
             row[name] = {"eager_ms": eager, "compiled_ms": compiled, "speedup": round(eager / compiled, 2), "compile_s": round(compile_s, 1)}
         report[str(dtype).removeprefix("torch.")] = row

@@ -38,3 +38,30 @@ def paged_attention(
         query, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0, meta.num_seqs, scale
     )
     return out
+
+
+def can_fuse(x: torch.Tensor) -> bool:
+    """Whether the fused layers below take `x`: a CPU tensor in half precision, the kernels
+    built, and not under torch.compile (inductor fuses those layers itself)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+        and native_build.load()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm (float32 statistics, rounded, then times the weight) in one pass."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops.pagedserve_cpu.rms_norm(out, x, weight, eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] in one pass."""
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    torch.ops.pagedserve_cpu.silu_and_mul(out, x)
+    return out

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_paged_attention.cpp",)
+SOURCES = ("cpu_paged_attention.cpp", "cpu_layers.cpp")
 CSRC = Path(__file__).parent / "csrc"
 ENV_SWITCH = "PAGEDSERVE_NATIVE_KERNELS"
 ENV_CACHE = "PAGEDSERVE_KERNEL_CACHE"
@@ -89,8 +89,8 @@ def _cpu_flags() -> str:
 def _build(compiler: str) -> Path:
     flags = _flags()
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((CSRC / name).read_bytes())
+    for path in sorted(CSRC.iterdir()):  # the sources and the headers they include
+        digest.update(path.name.encode() + path.read_bytes())
     for part in (torch.__version__, compiler, " ".join(flags), _cpu_flags()):
         digest.update(part.encode())
     cache = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "pagedserve" / "kernels")

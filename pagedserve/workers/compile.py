@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import EngineConfig
+from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.layers.attention import forward_context
 from pagedserve.workers.parallel_state import ParallelContext
 
@@ -67,6 +68,8 @@ def compile_model(model: nn.Module) -> None:
     long as the compile takes, which `step_timeout_s` may mistake for a wedged worker. The warm-up
     pass runs before the cache exists (attention takes its profiling path), which the graph does
     not see: attention is an opaque op, so the same graph serves the steps."""
+    if cpu_gemm.has_packed(model.model):
+        raise ValueError("compile a model loaded for compiling (load_model with enforce_eager=False): its linear weights are packed")
     compiled = CompiledForward(model.model)
     is_first_stage = model.model.embed_tokens is not None
     dtype = next(model.parameters()).dtype

@@ -39,8 +39,9 @@ def load_model(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_config.model_path} lacks weights for {shown}")
     model.eval()
-    cpu_gemm.pack_model(model)  # a no-op off the CPU and in float32
-    if engine_config is not None and should_compile(engine_config, device, parallel):
+    compiling = engine_config is not None and should_compile(engine_config, device, parallel)
+    cpu_gemm.pack_model(model, exclude=model.model if compiling else None)  # a no-op off the CPU and in float32
+    if compiling:
         compile_model(model)
     return model
 

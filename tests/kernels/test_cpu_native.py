@@ -106,3 +106,35 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setattr(native_build, "_state", {})
     monkeypatch.setenv(native_build.ENV_SWITCH, "0")
     assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 576), (3, 37), (2, 5, 64)])
+def test_fused_rms_norm_matches_the_torch_layer(shape, dtype):
+    """The fused pass rounds where Hugging Face's RMSNorm rounds: equal up to one rounding."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    y = x.float()
+    expected = weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    actual = cpu_native.rms_norm(x, weight, 1e-6)
+    assert actual.dtype == dtype and actual.shape == x.shape
+    torch.testing.assert_close(actual, expected, atol=0, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 2 * 1536), (3, 2 * 37), (2, 5, 2 * 64)])
+def test_fused_silu_and_mul_matches_the_torch_layer(shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(*shape, generator=gen) * 4).to(dtype)
+    x.view(-1)[:4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps at both ends
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    actual = cpu_native.silu_and_mul(x)
+    assert actual.dtype == dtype and actual.shape == gate.shape
+    torch.testing.assert_close(actual, expected, atol=1e-3, rtol=TOLERANCE[dtype])
+
+
+def test_layers_take_the_fused_path_only_in_half_precision_on_the_cpu():
+    assert cpu_native.can_fuse(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert not cpu_native.can_fuse(torch.zeros(2, 4))  # float32 stays on torch's ops (exactness)

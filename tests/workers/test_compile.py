@@ -10,7 +10,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.workers.compile import compile_model, should_compile
+from pagedserve.workers.compile import should_compile
 from pagedserve.workers.models.llama import attention_dims
 from pagedserve.workers.parallel_state import ParallelContext
 from tests.kernels.paged_batch import make_batch
@@ -69,6 +69,7 @@ def test_compiled_forward_matches_eager_on_a_mixed_batch(model_dirs, dtype, atol
     """Inductor's fused RMSNorm + residual, RoPE and SiLU-and-mul against the eager layers, on a
     step of two decodes and two prefill chunks (one starting mid-prompt), at each dtype's tolerance."""
     model = build(model_dirs["qwen3"], dtype, max_positions=128)
+    compiled_model = build(model_dirs["qwen3"], dtype, max_positions=128, compiled=True)
     num_heads, num_kv_heads, head_dim = attention_dims(model.config)
     query_lens, context_lens = [1, 1, 9, 5], [30, 12, 0, 7]
     batch = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype=dtype)
@@ -77,9 +78,8 @@ def test_compiled_forward_matches_eager_on_a_mixed_batch(model_dirs, dtype, atol
     for attn in model.attention_layers():
         attn.kv_cache = batch.kv_cache.clone()
     eager = model(input_ids, positions, batch.meta)
-    for attn in model.attention_layers():
+    for attn in compiled_model.attention_layers():
         attn.kv_cache = batch.kv_cache.clone()  # the same cache as the eager pass saw
-    compile_model(model)
-    compiled = model(input_ids, positions, batch.meta)
-    assert model.compiled_model.num_compiles == 1
+    compiled = compiled_model(input_ids, positions, batch.meta)
+    assert compiled_model.compiled_model.num_compiles == 1
     torch.testing.assert_close(compiled, eager, atol=atol, rtol=atol)

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -136,28 +138,7 @@ void attend_one(const T* query, T* out, const T* key_head, const T* value_head, 
 // The AVX-512 path: a dot product's horizontal sum per key costs a few shuffles instead of the
 // sixteen dependent scalar adds the compiler emits for a strict float reduction, and the
 // softmax's exponentials are computed sixteen at a time.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r) with |r| <= ln2/2, relative error ~1e-7.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 
 // G query heads per KV head and C chunks of 16 in head_dim, as constants: the accumulators
@@ -172,7 +153,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
   float* scores = scratch.data();  // [group, padded]
   __m512 q[G][C];
   for (int64_t j = 0; j < group; ++j)
-    for (int64_t c = 0; c < chunks; ++c) q[j][c] = _mm512_mul_ps(load16(query + j * D + c * 16), _mm512_set1_ps(scale));
+    for (int64_t c = 0; c < chunks; ++c) q[j][c] = _mm512_mul_ps(pagedserve::load16(query + j * D + c * 16), _mm512_set1_ps(scale));
 #if defined(__AVX512BF16__)
   __m512bh q_pairs[G][C / 2 > 0 ? C / 2 : 1];  // the query's own bf16 values, unscaled
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -202,7 +183,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
     }
 #endif
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 kc = load16(k + c * 16);
+      const __m512 kc = pagedserve::load16(k + c * 16);
       for (int64_t j = 0; j < group; ++j) acc[j] = _mm512_fmadd_ps(q[j][c], kc, acc[j]);
     }
     for (int64_t j = 0; j < group; ++j) scores[j * padded + t] = _mm512_reduce_add_ps(acc[j]);
@@ -216,7 +197,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
     const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), max));
+      const __m512 e = pagedserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), max));
       _mm512_storeu_ps(sj + t, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -232,7 +213,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
     }
     const T* v = block + (t % BS) * D;
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 vc = load16(v + c * 16);
+      const __m512 vc = pagedserve::load16(v + c * 16);
       for (int64_t j = 0; j < group; ++j) acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * padded + t]), vc, acc[j][c]);
     }
   }

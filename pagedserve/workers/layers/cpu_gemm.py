@@ -35,6 +35,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_model(model: torch.nn.Module) -> int:
-    """Packs every layer that can take it (`pack_for_cpu`); returns how many did."""
-    return sum(1 for module in model.modules() if hasattr(module, "pack_for_cpu") and module.pack_for_cpu())
+def pack_model(model: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Packs every layer that can take it (`pack_for_cpu`) outside `exclude` (a part torch.compile
+    will trace: inductor lowers packed oneDNN linears only for weights it froze itself); returns
+    how many did."""
+    skipped = set(exclude.modules()) if exclude is not None else set()
+    layers = [m for m in model.modules() if hasattr(m, "pack_for_cpu") and m not in skipped]
+    return sum(1 for layer in layers if layer.pack_for_cpu())
+
+
+def has_packed(model: torch.nn.Module) -> bool:
+    return any(getattr(module, "packed_weight", None) is not None for module in model.modules())
