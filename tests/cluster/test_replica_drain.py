@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from pagedserve.cluster.llm_server import Handover, LLMServer
 from pagedserve.cluster.replica_drain import RAY_SIGTERM_MESSAGE, ReplicaDrain, SigtermHook
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -113,6 +114,19 @@ def test_a_stream_that_ends_is_untouched_and_an_idle_replica_ends_at_once():
         assert drain.num_streams == 0 and not drained.is_set()
         drain.start()
         await drained.wait()
+
+    run(scenario)
+
+
+def test_a_draining_replica_answers_a_new_request_with_a_handover_alone():
+    """The ingress then sends the request to another replica (test_drain_client.py)."""
+
+    async def scenario():
+        server = object.__new__(LLMServer)  # no engine: a draining replica must not reach it
+        server.drain = ReplicaDrain(Handover("replica-0"), 3600.0, None)
+        server.drain.is_draining = True
+        items = [item async for item in server.generate("req", {"prompt_token_ids": [1, 2]}, ONE_DELTA)]
+        assert items == [Handover("replica-0")]
 
     run(scenario)
 
