@@ -128,13 +128,14 @@ class Sender:
     """SIGTERM to the replica running the most requests; SIGKILL if it is still alive when the
     grace is over (see the module's note)."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, num_replicas: int):
         self.base_url = base_url
+        self.num_replicas = num_replicas
         self.pid: int | None = None
         self.is_killed = False
 
     def __call__(self) -> None:
-        pids = wait_until(lambda: len(replica_pids()) == 2 and replica_pids(), timeout=60, what="two live replicas")
+        pids = wait_until(lambda: len(p := replica_pids()) == self.num_replicas and p, timeout=60, what="the live replicas")
         # Both replicas' latest reports show the streams (a report is at most a second old).
         running = wait_until(
             lambda: (r := running_by_replica(self.base_url)) and sum(r.values()) >= NUM_STREAMS and r,
@@ -154,23 +155,43 @@ class Sender:
             time.sleep(0.05)
 
 
+def deploy_replicas(model_dir, num_replicas: int) -> None:
+    """The app with that many LLMServer replicas (a change of the count only scales)."""
+    config = {
+        "model": str(model_dir), "served_model_name": APP, "graceful_shutdown_s": 2.0,
+        "engine": {"max_model_len": 512}, "deployment": {"num_replicas": num_replicas},
+    }
+    deploy(config, APP, f"/{APP}")
+    wait_until(lambda: len(replica_pids()) == num_replicas, timeout=120, what=f"{num_replicas} live replicas")
+
+
 @pytest.fixture(scope="module")
 def sigterm_url(serve_url, model_dirs):
     from ray import serve
 
-    config = {
-        "model": str(model_dirs["llama"]), "served_model_name": APP, "graceful_shutdown_s": 2.0,
-        "engine": {"max_model_len": 512}, "deployment": {"num_replicas": 2},
-    }
-    deploy(config, APP, f"/{APP}")
+    deploy_replicas(model_dirs["llama"], 2)
     yield f"{serve_url}/{APP}"
     serve.delete(APP)
 
 
-def test_sigterm_mid_stream_hands_streams_over(sigterm_url):
-    undisturbed = asyncio.run(run(sigterm_url))
-    sender = Sender(sigterm_url)
-    results = asyncio.run(run(sigterm_url, sender))
+@pytest.fixture(scope="module")
+def undisturbed(sigterm_url):
+    return asyncio.run(run(sigterm_url))
+
+
+def sigterm_mid_stream(base_url: str, num_replicas: int, undisturbed) -> None:
+    sender = Sender(base_url, num_replicas)
+    results = asyncio.run(run(base_url, sender))
     assert results == undisturbed  # text, prompt and completion tokens: as if undisturbed
     # It handed its streams over at once and exited, long before any of them could end.
     assert not sender.is_killed, "the SIGTERMed replica was still running when the first request in flight completed"
+
+
+def test_sigterm_mid_stream_hands_streams_over(sigterm_url, undisturbed):
+    sigterm_mid_stream(sigterm_url, 2, undisturbed)
+
+
+def test_sigterm_to_the_only_replica_waits_for_its_replacement(sigterm_url, undisturbed, model_dirs):
+    """The moved requests wait in the router until Serve's replacement runs; none fails."""
+    deploy_replicas(model_dirs["llama"], 1)
+    sigterm_mid_stream(sigterm_url, 1, undisturbed)
