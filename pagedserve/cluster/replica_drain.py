@@ -1,5 +1,6 @@
-"""The replica side of a drain: an LLMServer replica sent SIGTERM (a `kill`, a node being shut
-down) hands its streams over to other replicas and then exits, instead of dying with them.
+"""The replica side of a drain: an LLMServer replica whose process is sent SIGTERM hands its
+streams over to other replicas and then exits, instead of dying with them. (A SIGTERM to its
+node's raylet, as `ray stop` sends, takes the replica down at once: a crash, not covered.)
 
 What Ray 2.60 does with SIGTERM in a worker process (ray/_private/worker.py and
 workers/default_worker.py, checked on a live Serve replica):
@@ -14,7 +15,7 @@ workers/default_worker.py, checked on a live Serve replica):
 - The SystemExit makes the core worker exit: it starts no new actor task (calls routed to it
   wait), waits for the tasks it runs however long they take (a long stream runs on to its end),
   and for the tasks it submitted (a replica always has some: Serve's long polls to the
-  controller, which last up to a minute), then exits as a SYSTEM_ERROR; Serve's controller sees a
+  controller, which last 30 to 60 s), then exits as a SYSTEM_ERROR; Serve's controller sees a
   crashed actor and starts a replacement, and the calls that waited are retried elsewhere.
   Whoever sent SIGTERM may send SIGKILL first (Kubernetes after the pod's grace period, `ray stop`
   after its own): then the streams end in errors.
@@ -35,7 +36,7 @@ The drain (`ReplicaDrain`, on the replica's event loop):
 2. Every stream that can move (one sample streamed as deltas, or nothing sent yet) ends at once
    with a `Handover` item: the ingress resumes it on another replica from what the client has.
    Others (n > 1 with text sent) run on, until `drain_timeout_s`; then they end the same way.
-3. With no stream left, the engine shuts down and the process exits through Ray.
+3. With no stream left, the engine shuts down and the actor ends (`end_actor`).
 """
 
 from __future__ import annotations
