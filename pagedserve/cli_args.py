@@ -22,7 +22,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
             continue
         kind, choices = _flag_type(field.annotation)
         flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "") + f" (default: {field.default!r})"
+        # argparse formats help with %: a description's own % ("12% faster") must be escaped.
+        help_text = ((field.description or "") + f" (default: {field.default!r})").replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:

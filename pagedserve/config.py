@@ -262,6 +262,14 @@ class ServerConfig(BaseModel):
         DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="Larger request bodies are refused with 413."
     )
     graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="An LLMServer replica that receives SIGTERM hands its streams over to other replicas at once and "
+        "refuses new ones; streams that cannot move (n > 1 with text sent) may run this long before they are stopped "
+        "too, and the replica exits. Keep it under the sender's own grace period (Kubernetes: 30 s by default).",
+    )
     stream_interval_ms: float = Field(
         0.0,
         ge=0,

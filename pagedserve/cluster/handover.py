@@ -11,9 +11,12 @@ it is where the handover happens:
    the LLMServer deployment's `RequestRouter`, sees the set shrink in `update_replicas` and which
    replica each request went to in `on_request_routed`, and publishes both to the process-local
    `REGISTRY`.
+   A replica that drains on its own (sent SIGTERM: cluster/replica_drain.py) says so in its
+   routing stats, and the mixin marks it leaving the same way.
 2. Should the news come late (a busy controller) and Serve force-kill the replica after its grace
    period, the stream ends with a `Handover` item instead of a crash's error (ServeEngineClient
-   tells the two apart); the ingress marks the replica leaving and goes on as in 3.
+   tells the two apart); the ingress marks the replica leaving and goes on as in 3. A draining
+   replica ends its streams, and answers new requests, with a `Handover` item itself.
 3. `ResumingClient` (the ingress's EngineClient) watches its streams' replicas: when one leaves,
    it cancels the stream there (the engine aborts it, so the replica drains at once) and issues
    the request again, with a `ResumeState` of what the client already has; the router sends it to
@@ -112,12 +115,17 @@ class HandoverMixin:
     among the bases; the router's own hooks run through super()."""
 
     def update_replicas(self, replicas: list[Any]) -> None:
+        """Replicas removed from the running set, and those whose routing stats say they drain
+        (sent SIGTERM, they stay in the set until their process exits), are leaving."""
         before = {replica_id.unique_id for replica_id in self._replica_id_set}
         super().update_replicas(replicas)
         removed = before - {replica.replica_id.unique_id for replica in replicas}
-        if removed:
-            logger.info("replicas leaving: %s; handing their streams over", sorted(removed))
-            _registry().mark_leaving(removed)
+        draining = {replica.replica_id.unique_id for replica in replicas if (replica.routing_stats or {}).get("is_draining")}
+        registry = _registry()
+        leaving = {replica_id for replica_id in removed | draining if not registry.is_leaving(replica_id)}
+        if leaving:
+            logger.info("replicas leaving: %s; handing their streams over", sorted(leaving))
+            registry.mark_leaving(leaving)
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)

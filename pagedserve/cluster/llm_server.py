@@ -4,7 +4,8 @@ Its workers go into the bundles of the replica's placement group that app.py giv
 `RequestOutput`s to the ingress, and turns bad input into an `ErrorInfo` item rather than an
 exception, so the ingress can answer with the right status before it starts a stream. Every second
 it reports its engine statistics to the metrics hub, which renders them for /metrics as this
-replica's series (a `replica` label; sums over replicas belong in PromQL).
+replica's series (a `replica` label; sums over replicas belong in PromQL). Sent SIGTERM, it
+drains: its streams move to other replicas, then it exits (cluster/replica_drain.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC
+from pagedserve.cluster.replica_drain import ReplicaDrain, SigtermHook, end_actor
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
@@ -46,8 +48,9 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class Handover:
-    """A stream's last item when its replica stopped serving it (Serve stopped the replica):
-    the ingress goes on with the request on another replica (cluster/handover.py)."""
+    """A stream's last item when its replica stopped serving it (Serve stopped the replica, or
+    it drains after SIGTERM; then also its answer to a new request): the ingress goes on with the
+    request on another replica (cluster/handover.py)."""
 
     replica_id: str | None = None  # the replica that stopped, when known
 
@@ -70,19 +73,27 @@ class LLMServer:
         self.llm = AsyncLLM(engine_config, placement)
         self.model_name = config.model_name
         self.stream_interval_s = config.stream_interval_ms / 1000
-        self.replica_id = str(serve.get_replica_context().replica_id)
+        replica_id = serve.get_replica_context().replica_id
+        self.replica_id = str(replica_id)
         self.metrics_hub = metrics_hub
         kv_cache_manager = getattr(self.llm.engine, "kv_cache_manager", None)  # None: the core runs in its own process
         self.routing_stats = RoutingStatsReporter(kv_cache_manager.pool if kv_cache_manager is not None else None)
         self._stopped = threading.Event()
         if metrics_hub is not None:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
+        # Serve constructs the replica on its event loop, where generate runs too.
+        self.drain = ReplicaDrain(Handover(replica_id.unique_id), config.drain_timeout_s, self._exit_drained)
+        SigtermHook(self.drain.on_sigterm).install()
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
     ) -> AsyncIterator[RequestOutput | ErrorInfo]:
         """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}.
-        `resume`: what the client already has of a request another replica began (handover.py)."""
+        `resume`: what the client already has of a request another replica began (handover.py).
+        A draining replica answers with a Handover alone: the ingress goes to another replica."""
+        if self.drain.is_draining:
+            yield self.drain.handover
+            return
         try:
             if isinstance(prompt, dict) and "messages" in prompt:
                 prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
@@ -90,7 +101,7 @@ class LLMServer:
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
             try:
-                async for output in outputs:
+                async for output in self.drain.stream(outputs, params):
                     yield output
             finally:  # closed early (the client went away): the engine aborts the request now
                 await outputs.aclose()
@@ -149,7 +160,7 @@ class LLMServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (every deployment.routing_stats_period_s): engine load and
         the KV cache's evictions since the last report, for the prefix-aware router."""
-        return self.routing_stats.report(self.llm.stats()).to_dict()
+        return self.routing_stats.report(self.llm.stats(), self.drain.is_draining).to_dict()
 
     async def is_healthy(self) -> bool:
         return self.llm.is_healthy
@@ -171,6 +182,12 @@ class LLMServer:
             KV_USAGE_METRIC: stats.kv_cache_usage_perc,
             BATCH_USAGE_METRIC: stats.num_requests_running / self.llm.config.max_num_seqs,
         }
+
+    async def _exit_drained(self) -> None:
+        """The drain's end: no stream is left here. Stop the engine, then the actor."""
+        self._stopped.set()
+        await asyncio.to_thread(self.llm.shutdown)
+        end_actor()
 
     def _report_stats(self) -> None:
         while not self._stopped.wait(STATS_REPORT_INTERVAL_S):

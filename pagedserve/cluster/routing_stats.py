@@ -34,6 +34,8 @@ class RoutingStats:
     num_prefix_cache_resets: int  # whole-cache resets (a rebuilt worker group) since start
     # Routing keys (block_pool.routing_key) of blocks evicted since the previous report.
     evicted_routing_keys: list[int] = field(default_factory=list)
+    # The replica drains (it was sent SIGTERM): routers never pick it (cluster/replica_drain.py).
+    is_draining: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,20 +60,20 @@ class RoutingStatsReporter:
         self.pool = pool
         self.last: RoutingStats | None = None
 
-    def report(self, stats: EngineStats) -> RoutingStats:
+    def report(self, stats: EngineStats, is_draining: bool = False) -> RoutingStats:
         """The next report; the previous one again when nothing changed (an idle replica then
         costs Serve no broadcast to every router)."""
         log = self.pool.evicted_routing_keys if self.pool is not None else ()
         keys = []
         while log and len(keys) < MAX_REPORTED_EVICTIONS:
             keys.append(log.popleft())
-        report = self._new_report(stats, keys)
+        report = self._new_report(stats, keys, is_draining)
         if self.last is not None and not keys and dataclasses.replace(report, report_index=self.last.report_index) == self.last:
             return self.last
         self.last = report
         return report
 
-    def _new_report(self, stats: EngineStats, keys: list[int]) -> RoutingStats:
+    def _new_report(self, stats: EngineStats, keys: list[int], is_draining: bool) -> RoutingStats:
         return RoutingStats(
             report_index=self.last.report_index + 1 if self.last is not None else 1,
             num_running=stats.num_requests_running,
@@ -81,4 +83,5 @@ class RoutingStatsReporter:
             num_evicted_blocks=self.pool.num_evicted_blocks if self.pool is not None else 0,
             num_prefix_cache_resets=self.pool.num_prefix_cache_resets if self.pool is not None else 0,
             evicted_routing_keys=keys,
+            is_draining=is_draining,
         )

@@ -1,0 +1,197 @@
+"""An LLMServer replica sent SIGTERM mid-stream drains (cluster/replica_drain.py): its streams
+finish on the other replica, equal to an undisturbed run, with no error; requests sent after the
+SIGTERM succeed; its process exits.
+
+Two replicas of the tiny Llama, the real openai client, greedy and seeded sampling. The sender
+behaves as Kubernetes and `ray stop` do: SIGTERM, then SIGKILL once a grace period is over. The
+grace here is measured in the requests' progress, not in seconds: it ends when the first request
+that was in flight at the SIGTERM completes. Ray alone (old main) keeps a SIGTERMed replica's
+streams running in place until then, so the SIGKILL cuts them; the requests' lengths differ, so
+the replica still has some unfinished then."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+
+from tests.cluster.conftest import deploy, wait_until
+
+APP = "sigterm"
+NUM_STREAMS = 8
+NUM_WHOLE = 2  # non-streaming requests in flight beside the streams
+NUM_AFTER = 2  # requests sent right after the SIGTERM (a stream and a whole one)
+PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", "In a hole in the ground"]
+
+
+def max_tokens(i: int) -> int:
+    """Long enough to be mid-stream at the SIGTERM; each request a different length, so the
+    replica's requests do not all end in one step. Those sent after the SIGTERM are short."""
+    return 16 if i >= NUM_STREAMS + NUM_WHOLE else 150 + 8 * i
+
+
+def sampling(i: int) -> dict:
+    """Half greedy, half seeded sampling; completions and chat alternate."""
+    if i % 2 == 0:
+        return {"temperature": 0.0}
+    return {"temperature": 1.0, "top_p": 0.95, "seed": 100 + i, "frequency_penalty": 0.3}
+
+
+async def one(client: openai.AsyncOpenAI, i: int, is_stream: bool, started: asyncio.Event) -> tuple[str, int, int]:
+    """(text, prompt_tokens, completion_tokens) of request i; `started` is set at its first text."""
+    common = {"model": APP, "max_tokens": max_tokens(i), "extra_body": {"ignore_eos": True}, **sampling(i)}
+    prompt = PROMPTS[i % len(PROMPTS)]
+    is_chat = i % 4 >= 2
+    if not is_stream:
+        started.set()
+        if is_chat:
+            body = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+            return body.choices[0].message.content, body.usage.prompt_tokens, body.usage.completion_tokens
+        body = await client.completions.create(prompt=prompt, **common)
+        return body.choices[0].text, body.usage.prompt_tokens, body.usage.completion_tokens
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    if is_chat:
+        response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common, **options)
+    else:
+        response = await client.completions.create(prompt=prompt, **common, **options)
+    parts, usage = [], None
+    async for chunk in response:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            parts.append((choice.delta.content if is_chat else choice.text) or "")
+            started.set()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage.prompt_tokens, usage.completion_tokens
+
+
+def is_stream(i: int) -> bool:
+    return i < NUM_STREAMS or i == NUM_STREAMS + NUM_WHOLE
+
+
+async def run(base_url: str, disturb=None) -> list[tuple[str, int, int]]:
+    """Every request's result. `disturb(first_done)` runs in a thread once every stream has text:
+    it sends SIGTERM and returns; the requests sent after the SIGTERM go out then, and
+    `disturb.finish(first_done)` (also in a thread) plays the rest of the sender's part."""
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        num_before = NUM_STREAMS + NUM_WHOLE
+        started = [asyncio.Event() for _ in range(num_before + NUM_AFTER)]
+        calls = [asyncio.ensure_future(one(client, i, is_stream(i), started[i])) for i in range(num_before)]
+        if disturb is not None:
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started[:NUM_STREAMS])), timeout=180)
+            await asyncio.to_thread(disturb)
+        calls += [asyncio.ensure_future(one(client, i, is_stream(i), started[i])) for i in range(num_before, num_before + NUM_AFTER)]
+        if disturb is not None:
+            await asyncio.to_thread(disturb.finish, lambda: any(call.done() for call in calls[:num_before]))
+        return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)  # a failed request raises here
+
+
+def replica_pids() -> dict[str, int]:
+    """The app's live LLMServer replicas: unique id -> process id (the GCS's actor table; the
+    state API would need this cluster's dashboard address among the machine's clusters)."""
+    import ray._private.state
+
+    prefix = f"SERVE_REPLICA::{APP}#LLMServer#"
+    actors = ray._private.state.actors().values()
+    return {a["Name"][len(prefix):]: a["Pid"] for a in actors if a["State"] == "ALIVE" and (a["Name"] or "").startswith(prefix)}
+
+
+def running_by_replica(base_url: str) -> dict[str, float]:
+    """Requests running per replica unique id, from /metrics (each replica's latest report)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    running: dict[str, float] = {}
+    for family in text_string_to_metric_families(requests.get(f"{base_url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "pagedserve:num_requests_running" and sample.labels.get("model_name") == APP:
+                match = re.search(r"id='([^']+)'", sample.labels["replica"])
+                if match:
+                    running[match.group(1)] = sample.value
+    return running
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Sender:
+    """SIGTERM to the replica running the most requests; SIGKILL if it is still alive when the
+    grace is over (see the module's note)."""
+
+    def __init__(self, base_url: str, num_replicas: int):
+        self.base_url = base_url
+        self.num_replicas = num_replicas
+        self.pid: int | None = None
+        self.is_killed = False
+
+    def __call__(self) -> None:
+        pids = wait_until(lambda: len(p := replica_pids()) == self.num_replicas and p, timeout=60, what="the live replicas")
+        # Both replicas' latest reports show the streams (a report is at most a second old).
+        running = wait_until(
+            lambda: (r := running_by_replica(self.base_url)) and sum(r.values()) >= NUM_STREAMS and r,
+            timeout=60, what="the streams in /metrics", details=lambda: str(running_by_replica(self.base_url)),
+        )
+        busiest = max(running, key=running.get)
+        assert running[busiest] >= 2, f"the SIGTERMed replica must hold streams of different lengths: {running}"
+        self.pid = pids[busiest]
+        os.kill(self.pid, signal.SIGTERM)
+
+    def finish(self, is_grace_over) -> None:
+        while is_alive(self.pid):
+            if is_grace_over():
+                os.kill(self.pid, signal.SIGKILL)
+                self.is_killed = True
+                return
+            time.sleep(0.05)
+
+
+def deploy_replicas(model_dir, num_replicas: int) -> None:
+    """The app with that many LLMServer replicas (a change of the count only scales)."""
+    config = {
+        "model": str(model_dir), "served_model_name": APP, "graceful_shutdown_s": 2.0,
+        "engine": {"max_model_len": 512}, "deployment": {"num_replicas": num_replicas},
+    }
+    deploy(config, APP, f"/{APP}")
+    wait_until(lambda: len(replica_pids()) == num_replicas, timeout=120, what=f"{num_replicas} live replicas")
+
+
+@pytest.fixture(scope="module")
+def sigterm_url(serve_url, model_dirs):
+    from ray import serve
+
+    deploy_replicas(model_dirs["llama"], 2)
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(sigterm_url):
+    return asyncio.run(run(sigterm_url))
+
+
+def sigterm_mid_stream(base_url: str, num_replicas: int, undisturbed) -> None:
+    sender = Sender(base_url, num_replicas)
+    results = asyncio.run(run(base_url, sender))
+    assert results == undisturbed  # text, prompt and completion tokens: as if undisturbed
+    # It handed its streams over at once and exited, long before any of them could end.
+    assert not sender.is_killed, "the SIGTERMed replica was still running when the first request in flight completed"
+
+
+def test_sigterm_mid_stream_hands_streams_over(sigterm_url, undisturbed):
+    sigterm_mid_stream(sigterm_url, 2, undisturbed)
+
+
+def test_sigterm_to_the_only_replica_waits_for_its_replacement(sigterm_url, undisturbed, model_dirs):
+    """The moved requests wait in the router until Serve's replacement runs; none fails."""
+    deploy_replicas(model_dirs["llama"], 1)
+    sigterm_mid_stream(sigterm_url, 1, undisturbed)
