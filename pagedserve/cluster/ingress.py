@@ -196,6 +196,22 @@ class ServeEngineClient:
         finally:
             responses.cancel()  # a client that went away: the replica aborts the request
 
+    async def is_shutting_down(self) -> bool:
+        """Whether this application is being deleted (ResumingClient asks when a replica
+        leaves: then none will take its streams over, and they finish where they are)."""
+        return await asyncio.to_thread(_is_app_deleting)
+
+
+def _is_app_deleting() -> bool:
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception:  # the controller did not answer: assume a replica will take the stream
+        logger.warning("could not read the application's status", exc_info=True)
+        return False
+    return app is None or app.status == "DELETING"
+
 
 # Module helpers are defined before the ingress class: Serve serializes the class when the
 # application is built, and names defined after it would be missing in the replica.
