@@ -17,7 +17,12 @@ it is where the handover happens:
 3. `ResumingClient` (the ingress's EngineClient) watches its streams' replicas: when one leaves,
    it cancels the stream there (the engine aborts it, so the replica drains at once) and issues
    the request again, with a `ResumeState` of what the client already has; the router sends it to
-   a replica that stays. The client's stream goes on with no gap and nothing repeated.
+   a replica that stays. The client's stream goes on with no gap and nothing repeated. A stream
+   of n > 1 samples moves as one resumed request per choice (see `ResumingClient`).
+4. A redeploy that changes the app's args replaces the ingress too: the old ingress replica keeps
+   its streams (app.py gives it a long grace period) while they move from old LLMServer replicas
+   to new ones, which its router sees like any other. When the app is being deleted nothing
+   moves: streams finish where they are, within the replicas' grace period.
 
 A crash (the replica's process gone) is not a handover: Serve's router drops a dead replica
 through `on_replica_actor_died`, not `update_replicas`, and its streams end with an error.
@@ -45,7 +50,8 @@ logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve'
 
 MAX_REMEMBERED_LEAVING = 1024  # leaving replica ids kept (each is unique; a few per redeploy)
 HANDED_OVER = object()  # what `_next_or_leaving` returns when the replica left first
-STOPPED = overloaded("the engine replica serving this request stopped; retry later")  # for a stream that cannot move
+# For a stream that cannot move (its final item came) or has nowhere to (the app is being deleted).
+STOPPED = overloaded("the engine replica serving this request stopped; retry later")
 
 
 class HandoverRegistry:
@@ -186,7 +192,9 @@ class _Progress:
         return self.choices.get(0, _Choice()).resume()
 
     def unfinished_choices(self, n: int) -> dict[int, _Choice]:
-        return {i: self.choices.get(i, _Choice()) for i in range(n) if not self.choices.get(i, _Choice()).is_finished}
+        """By index, the choices of an n-sample request still to finish (a new one if none came)."""
+        choices = {i: self.choices.get(i) or _Choice() for i in range(n)}
+        return {i: choice for i, choice in choices.items() if not choice.is_finished}
 
 
 class ResumingClient:
@@ -220,7 +228,7 @@ class ResumingClient:
                     yield item
             if not is_moved:
                 return
-            logger.info("request %s handed over after %d items", request_id, progress.num_items)
+            logger.info("request %s (n=%d) handed over after %d items", request_id, params.n, progress.num_items)
             if params.n > 1 and progress.num_items > 0:
                 async for item in self._choices(f"{request_id}~handover{num_attempts}", params, progress):
                     yield item

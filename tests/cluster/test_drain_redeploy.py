@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 
-from tests.cluster.test_drain import APP, NUM_STREAMS, apply, replica_states, run_all
+from tests.cluster.test_drain import APP, NUM_STREAMS, apply, one, replica_states, run_all
 
 MODEL = "tiny"  # the built-in 4-layer model: 2048 positions, so streams can be long
 ENGINE = {"max_model_len": 2048}
@@ -27,7 +28,8 @@ def long_url(serve_url):
 
     apply(MODEL, 2, engine=ENGINE)
     yield f"{serve_url}/{APP}"
-    serve.delete(APP)
+    if APP in serve.status().applications:  # the last test deletes it itself
+        serve.delete(APP)
 
 
 def test_redeploy_with_changed_args_mid_stream_hands_streams_over(long_url):
@@ -47,3 +49,25 @@ def test_redeploy_with_changed_args_mid_stream_hands_streams_over(long_url):
     results = asyncio.run(run_all(long_url, redeploy, max_tokens=MAX_TOKENS))
     assert results == undisturbed  # text of every choice, prompt and completion tokens
     assert num_in_flight_at_ingress_stop >= NUM_STREAMS // 2, "the old ingress stopped with no streams through it"
+
+
+def test_delete_mid_stream_ends_streams_where_they_are(long_url):
+    """Deleting the app leaves nowhere to move to: each stream finishes on its replica, or ends
+    with a 503 error event when the replica's grace period (2 s) runs out first; none hangs
+    waiting for a replica (the old ingress's long grace would keep the delete waiting), and no
+    connection is cut."""
+    from ray import serve
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{long_url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+            started = [asyncio.Event() for _ in range(4)]
+            calls = [asyncio.ensure_future(one(client, i, event, MAX_TOKENS)) for i, event in enumerate(started)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=180)
+            await asyncio.to_thread(serve.delete, APP)
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=120)
+
+    for result in asyncio.run(run()):
+        if isinstance(result, BaseException):
+            assert isinstance(result, openai.APIError) and "stopped" in str(result), repr(result)
+        else:
+            assert result[2] == MAX_TOKENS
