@@ -276,6 +276,8 @@ class ResumingClient:
                     return
                 if isinstance(item, Handover):
                     self.registry.mark_leaving([item.replica_id or self.registry.replica_of(engine_id) or ""])
+                    if progress.is_finished:
+                        return  # its final item came: the client has it all
                     can_move = progress.can_move(params) and not await self._is_shutting_down()
                     item = HANDED_OVER if can_move else STOPPED
                 if item is HANDED_OVER:
