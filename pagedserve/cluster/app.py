@@ -18,6 +18,17 @@ from pagedserve.config import DeploymentConfig, ServerConfig
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.
 INGRESS_MAX_ONGOING_REQUESTS = 10_000
+# A `serve deploy` that changes the app's args replaces every deployment, the ingress too (Serve
+# hashes the args into the code version), and an ingress replica holds its clients' connections:
+# a stopping one takes no new requests (the proxies route to its successor) but its streams,
+# which move from engine replica to engine replica meanwhile (handover.py), must end before it
+# may. Serve's default grace (20 s) cut them; this only bounds the wait, for it exits as soon as
+# its last stream ends. A Serve config's `deployments:` override of OpenAIIngress changes it.
+INGRESS_GRACEFUL_SHUTDOWN_S = 600.0
+INGRESS_SHUTDOWN_POLL_S = 0.5  # how often a stopping ingress checks whether its streams ended
+# The new ingress replica starts before the old one stops (it needs no resources), so there is
+# no moment without one and new requests never wait for it.
+INGRESS_MAX_SURGE_PERCENT = 100
 
 IMPORT_PATH = "pagedserve.cluster.app:build_app"
 SERVER_DEPLOYMENT = "LLMServer"
@@ -62,7 +73,13 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     replica_config = config.model_copy(update={"deployment": DeploymentConfig()})
     server = serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(**server_options).bind(replica_config, hub, worker_bundle_indices)
     ingress = serve.deployment(
-        OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0}
+        OpenAIIngress,
+        name="OpenAIIngress",
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
+        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
+        max_surge_percent=INGRESS_MAX_SURGE_PERCENT,
     )
     engine = config.engine_config()
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}

@@ -20,7 +20,12 @@ it is where the handover happens:
 3. `ResumingClient` (the ingress's EngineClient) watches its streams' replicas: when one leaves,
    it cancels the stream there (the engine aborts it, so the replica drains at once) and issues
    the request again, with a `ResumeState` of what the client already has; the router sends it to
-   a replica that stays. The client's stream goes on with no gap and nothing repeated.
+   a replica that stays. The client's stream goes on with no gap and nothing repeated. A stream
+   of n > 1 samples moves as one resumed request per choice (see `ResumingClient`).
+4. A redeploy that changes the app's args replaces the ingress too: the old ingress replica keeps
+   its streams (app.py gives it a long grace period) while they move from old LLMServer replicas
+   to new ones, which its router sees like any other. When the app is being deleted nothing
+   moves: streams finish where they are, within the replicas' grace period.
 
 A crash (the replica's process gone) is not a handover: Serve's router drops a dead replica
 through `on_replica_actor_died`, not `update_replicas`, and its streams end with an error.
@@ -29,6 +34,7 @@ through `on_replica_actor_died`, not `update_replicas`, and its streams end with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import threading
@@ -40,14 +46,15 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
 from pagedserve.cluster.llm_server import ErrorInfo, Handover, overloaded
 from pagedserve.engine.input_processor import ResumeState
-from pagedserve.engine.request_output import RequestOutput
+from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own replica news
 
 MAX_REMEMBERED_LEAVING = 1024  # leaving replica ids kept (each is unique; a few per redeploy)
 HANDED_OVER = object()  # what `_next_or_leaving` returns when the replica left first
-STOPPED = overloaded("the engine replica serving this request stopped; retry later")  # for a stream that cannot move
+# For a stream that cannot move (its final item came) or has nowhere to (the app is being deleted).
+STOPPED = overloaded("the engine replica serving this request stopped; retry later")
 
 
 class HandoverRegistry:
@@ -144,13 +151,30 @@ class PowerOfTwoRouter(HandoverMixin, PowerOfTwoChoicesRequestRouter):
 
 
 @dataclass
-class _Progress:
-    """What the client has of one engine request so far (n == 1 DELTA streams)."""
+class _Choice:
+    """What the client has of one choice (one of a request's n samples)."""
 
-    prompt_token_ids: list[int] | None = None  # from the first item
     output_token_ids: list[int] = field(default_factory=list)
     num_sent_chars: int = 0
     cumulative_logprob: float | None = None
+    is_finished: bool = False
+
+    def record(self, completion: CompletionOutput) -> None:
+        self.output_token_ids += completion.token_ids
+        self.num_sent_chars += len(completion.text)
+        self.cumulative_logprob = completion.cumulative_logprob
+        self.is_finished = self.is_finished or completion.finish_reason is not None
+
+    def resume(self) -> ResumeState:
+        return ResumeState(list(self.output_token_ids), self.num_sent_chars, self.cumulative_logprob)
+
+
+@dataclass
+class _Progress:
+    """What the client has of one engine request so far (DELTA streams), choice by choice."""
+
+    prompt_token_ids: list[int] | None = None  # from the first item
+    choices: dict[int, _Choice] = field(default_factory=dict)  # by choice index
     num_items: int = 0
     is_finished: bool = False  # the final item arrived: only the stream's end is left to read
 
@@ -159,33 +183,45 @@ class _Progress:
             self.prompt_token_ids = list(output.prompt_token_ids)
         self.num_items += 1
         for completion in output.outputs:
-            self.output_token_ids += completion.token_ids
-            self.num_sent_chars += len(completion.text)
-            self.cumulative_logprob = completion.cumulative_logprob
-            self.is_finished = self.is_finished or completion.finish_reason is not None
+            self.choices.setdefault(completion.index, _Choice()).record(completion)
+        self.is_finished = self.is_finished or output.finished
 
     def can_move(self, params: SamplingParams) -> bool:
-        """Nothing sent yet: start again anywhere. Else only a one-sample stream resumes, and not
-        once its final item arrived (a resume would have no tokens left to make)."""
+        """Nothing sent yet: start again anywhere. Else only a stream (DELTA outputs) resumes,
+        and not once its final item arrived (a resume would have no tokens left to make)."""
         if self.is_finished:
             return False
-        return self.num_items == 0 or (params.n == 1 and params.output_kind == RequestOutputKind.DELTA)
+        return self.num_items == 0 or params.output_kind == RequestOutputKind.DELTA
 
     def resume(self) -> ResumeState | None:
+        """The ResumeState of a one-sample request; None: nothing sent, start again."""
         if self.num_items == 0:
             return None
-        return ResumeState(list(self.output_token_ids), self.num_sent_chars, self.cumulative_logprob)
+        return self.choices.get(0, _Choice()).resume()
+
+    def unfinished_choices(self, n: int) -> dict[int, _Choice]:
+        """By index, the choices of an n-sample request still to finish (a new one if none came)."""
+        choices = {i: self.choices.get(i) or _Choice() for i in range(n)}
+        return {i: choice for i, choice in choices.items() if not choice.is_finished}
 
 
 class ResumingClient:
-    """An EngineClient whose streams survive their replica leaving (see the module's note)."""
+    """An EngineClient whose streams survive their replica leaving (see the module's note).
+
+    A stream of n > 1 samples that has sent text moves as n one-sample requests, one per choice
+    not finished yet, each resuming from what the client has of it: the engine runs a request's
+    n samples as n requests anyway (`SamplingParams.for_child`: choice i has the seed `seed + i`),
+    so greedy and seeded choices go on exactly as undisturbed; each can move again later."""
 
     def __init__(self, client: Any, registry: HandoverRegistry = REGISTRY):
         self.client = client
         self.registry = registry
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
-        progress = _Progress()
+    async def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams, progress: _Progress | None = None
+    ) -> AsyncIterator[Any]:
+        """`progress`: what the client already has (a choice of an n > 1 request that moved)."""
+        progress = progress or _Progress()
         num_attempts = 0
         while True:
             engine_id = request_id if num_attempts == 0 else f"{request_id}~handover{num_attempts}"
@@ -200,7 +236,30 @@ class ResumingClient:
                     yield item
             if not is_moved:
                 return
-            logger.info("request %s handed over after %d tokens", request_id, len(progress.output_token_ids))
+            logger.info("request %s (n=%d) handed over after %d items", request_id, params.n, progress.num_items)
+            if params.n > 1 and progress.num_items > 0:
+                async for item in self._choices(f"{request_id}~handover{num_attempts}", params, progress):
+                    yield item
+                return
+
+    async def _choices(self, request_id: str, params: SamplingParams, progress: _Progress) -> AsyncIterator[Any]:
+        """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
+        merged back into the request's outputs (the choice's index, `finished` once all are)."""
+        choices = progress.unfinished_choices(params.n)
+        prompt = {"prompt_token_ids": progress.prompt_token_ids}
+        streams = []
+        for index, choice in choices.items():
+            one = _Progress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
+            streams.append(self.generate(f"{request_id}-{index}", prompt, params.for_child(index), one))
+        num_left = len(choices)
+        async for position, item in merge_streams(streams):
+            if not isinstance(item, RequestOutput):
+                yield item  # an ErrorInfo: the consumer ends the response with it
+                continue
+            index = list(choices)[position]
+            outputs = [dataclasses.replace(completion, index=index) for completion in item.outputs]
+            num_left -= sum(completion.finish_reason is not None for completion in outputs)
+            yield dataclasses.replace(item, request_id=request_id, outputs=outputs, finished=num_left == 0)
 
     async def _attempt(
         self, engine_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None, progress: _Progress
@@ -217,7 +276,7 @@ class ResumingClient:
 
         self.registry.watch(engine_id, on_leaving)
         stream = self.client.generate(engine_id, prompt, params, resume)
-        leaving_wait = asyncio.ensure_future(leaving.wait())
+        leaving_wait = asyncio.ensure_future(self._until_moving(leaving))
         try:
             while True:
                 item = await _next_or_leaving(stream, leaving_wait, lambda: progress.can_move(params))
@@ -225,7 +284,10 @@ class ResumingClient:
                     return
                 if isinstance(item, Handover):
                     self.registry.mark_leaving([item.replica_id or self.registry.replica_of(engine_id) or ""])
-                    item = HANDED_OVER if progress.can_move(params) else STOPPED
+                    if progress.is_finished:
+                        return  # its final item came: the client has it all
+                    can_move = progress.can_move(params) and not await self._is_shutting_down()
+                    item = HANDED_OVER if can_move else STOPPED
                 if item is HANDED_OVER:
                     yield HANDED_OVER
                     return
@@ -236,6 +298,56 @@ class ResumingClient:
             leaving_wait.cancel()
             self.registry.forget(engine_id)
             await stream.aclose()  # cancels the handle call: the leaving replica aborts it
+
+    async def _until_moving(self, leaving: asyncio.Event) -> None:
+        """Returns once the request's replica is leaving and another will take it over; while
+        the app shuts down it never returns (the read it races is not disturbed meanwhile)."""
+        await leaving.wait()
+        if await self._is_shutting_down():
+            await asyncio.Event().wait()
+
+    async def _is_shutting_down(self) -> bool:
+        """Whether the engine's deployment is going away for good (its app is being deleted):
+        then no replica will take the request over, and a stream on a leaving replica finishes
+        there, within its grace period. A client that cannot tell says no."""
+        check = getattr(self.client, "is_shutting_down", None)
+        return bool(check is not None and await check())
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several streams as they come, each with its stream's position in `streams`. An
+    exception in a stream ends the merge with it; closing the merge closes every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(position: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((position, item))
+            await queue.put((position, done))
+        except Exception as error:  # surfaced by the merge, in its consumer's task
+            await queue.put((position, _Failed(error)))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_left = len(tasks)
+        while num_left:
+            position, item = await queue.get()
+            if isinstance(item, _Failed):
+                raise item.error
+            if item is done:
+                num_left -= 1
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each stream's own cleanup runs
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
 
 
 async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Future, can_move: Callable[[], bool]) -> Any:

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+APP_STATUS_MAX_AGE_S = 1.0  # how long one look at the app's status answers whether it is being deleted
 MAX_REPORTED_PROBLEMS = 5  # validation problems named in one 400
 # Routes that answer without a key: load balancers, Prometheus and schema readers carry none.
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
@@ -175,6 +176,17 @@ class ServeEngineClient:
 
     def __init__(self, handle: Any):
         self.handle = handle.options(stream=True)
+        self._deleting: asyncio.Future | None = None  # the latest look at the app's status
+        self._deleting_since = 0.0
+
+    async def is_shutting_down(self) -> bool:
+        """Whether this application is being deleted (ResumingClient asks when a replica
+        leaves: then none will take its streams over, and they finish where they are). The
+        streams of a leaving replica ask together: one look at the controller answers them all."""
+        now = time.monotonic()
+        if self._deleting is None or now - self._deleting_since > APP_STATUS_MAX_AGE_S:
+            self._deleting, self._deleting_since = asyncio.ensure_future(asyncio.to_thread(_is_app_deleting)), now
+        return await asyncio.shield(self._deleting)
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams, resume: Any = None) -> AsyncIterator[Any]:
         from ray.exceptions import RayActorError
@@ -195,6 +207,17 @@ class ServeEngineClient:
             yield overloaded("the engine replica serving this request died; retry later")
         finally:
             responses.cancel()  # a client that went away: the replica aborts the request
+
+
+def _is_app_deleting() -> bool:
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception:  # the controller did not answer: assume a replica will take the stream
+        logger.warning("could not read the application's status", exc_info=True)
+        return False
+    return app is None or app.status == "DELETING"
 
 
 # Module helpers are defined before the ingress class: Serve serializes the class when the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagedserve.cluster import openai_format as fmt
-from pagedserve.cluster.handover import ResumingClient
+from pagedserve.cluster.handover import ResumingClient, merge_streams
 from pagedserve.cluster.llm_server import ErrorInfo, Handover
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.engine.engine_core_output import FinishReason
@@ -201,31 +201,14 @@ async def _merge(started: list[_Started]) -> AsyncIterator[tuple[int, RequestOut
         async for item in started[0].rest:
             yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
 
-    async def pump(index: int, item: _Started) -> None:
-        try:
-            await queue.put((index, item.first))
-            async for output in item.rest:
-                await queue.put((index, output))
-        finally:
-            await queue.put((index, done))
+    async def whole(item: _Started) -> AsyncIterator[RequestOutput | ErrorInfo]:
+        yield item.first
+        async for output in item.rest:
+            yield output
 
-    tasks = [asyncio.create_task(pump(i, item)) for i, item in enumerate(started)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, output = await queue.get()
-            if output is done:
-                remaining -= 1
-            else:
-                yield index, output
-        for task in tasks:
-            task.result()  # surface an exception from a stream
-    finally:
-        for task in tasks:
-            task.cancel()
+    async for index, output in merge_streams([whole(item) for item in started]):
+        yield index, output
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

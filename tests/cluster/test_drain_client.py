@@ -13,9 +13,11 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 PROMPT_IDS = [7, 8, 9]
 
 
-def item(text: str, token_ids: list[int], finished: bool = False) -> RequestOutput:
-    completion = CompletionOutput(0, text, token_ids, cumulative_logprob=-1.0 * len(token_ids), finish_reason="length" if finished else None)
-    return RequestOutput("r", None, PROMPT_IDS, [completion], finished)
+def item(text: str, token_ids: list[int], finished: bool = False, index: int = 0, is_last: bool | None = None) -> RequestOutput:
+    """An item of one choice; `finished`: that choice ends; `is_last`: the request's last item
+    (every choice ended), by default the same."""
+    completion = CompletionOutput(index, text, token_ids, cumulative_logprob=-1.0 * len(token_ids), finish_reason="length" if finished else None)
+    return RequestOutput("r", None, PROMPT_IDS, [completion], finished if is_last is None else is_last)
 
 
 class FakeEngines:
@@ -23,12 +25,13 @@ class FakeEngines:
     (as the router would report) and then waits to be cancelled."""
 
     def __init__(self, registry: HandoverRegistry, scripts: list[list]):
-        self.registry, self.scripts, self.calls = registry, scripts, []
+        self.registry, self.scripts, self.calls, self.params = registry, scripts, [], []
 
     async def generate(self, request_id, prompt, params, resume=None):
         replica_id = f"replica-{len(self.calls)}"
         script = self.scripts[len(self.calls)]
         self.calls.append((request_id, prompt, resume))
+        self.params.append(params)
         self.registry.routed(request_id, replica_id)
         for entry in script:
             if entry == "leave":
@@ -37,9 +40,9 @@ class FakeEngines:
             yield entry
 
 
-def run(scripts: list[list], params: SamplingParams) -> tuple[list, list]:
-    registry = HandoverRegistry()
-    engines = FakeEngines(registry, scripts)
+def run(scripts: list[list], params: SamplingParams, engines: FakeEngines | None = None) -> tuple[list, list]:
+    registry = engines.registry if engines is not None else HandoverRegistry()
+    engines = engines or FakeEngines(registry, scripts)
 
     async def collect():
         return [x async for x in ResumingClient(engines, registry).generate("req", "the prompt", params)]
@@ -76,8 +79,27 @@ def test_a_replica_stopped_by_serve_hands_over_and_a_crash_does_not():
     assert items[-1] == crash and len(calls) == 1
 
 
-def test_a_stream_that_cannot_resume_ends_with_an_error():
-    """n > 1 streams interleave samples: once text went out, they cannot move."""
-    params = SamplingParams(n=2, max_tokens=5, output_kind=RequestOutputKind.DELTA, temperature=1.0)
-    items, calls = run([[item("Hel", [1]), Handover()]], params)
-    assert isinstance(items[-1], ErrorInfo) and items[-1].status == 503 and len(calls) == 1
+def test_a_stream_whose_final_item_came_ends_there():
+    """Its replica stopped after the last item went out: nothing is left to make, no error."""
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
+    items, calls = run([[item("Hel", [1]), item("lo", [2], finished=True), Handover()]], params)
+    assert [i.outputs[0].text for i in items] == ["Hel", "lo"] and len(calls) == 1
+
+
+def test_an_n2_stream_moves_choice_by_choice():
+    """Each unfinished choice resumes as its own one-sample request (seed + index, what the
+    client has of that choice); a finished choice does not move; indices are the request's."""
+    params = SamplingParams(n=3, max_tokens=3, output_kind=RequestOutputKind.DELTA, temperature=1.0, seed=10)
+    first = [item("a", [1], index=0), item("bb", [5], index=1), item("c", [8, 9, 7], finished=True, index=2, is_last=False), "leave"]
+    choice0 = [item("A", [2]), item("!", [3], finished=True)]
+    choice1 = [item("B", [6, 4], finished=True)]
+    engines = FakeEngines(HandoverRegistry(), [first, choice0, choice1])
+    items, calls = run([], params, engines)
+    texts = {i: "".join(c.text for x in items for c in x.outputs if c.index == i) for i in range(3)}
+    assert texts == {0: "aA!", 1: "bbB", 2: "c"}
+    assert [x.finished for x in items] == [False] * 5 + [True]  # once every choice is done
+    (_, _, _), (_, prompt0, resume0), (_, prompt1, resume1) = calls
+    assert prompt0 == prompt1 == {"prompt_token_ids": PROMPT_IDS}
+    assert (resume0.output_token_ids, resume0.num_sent_chars) == ([1], 1)
+    assert (resume1.output_token_ids, resume1.num_sent_chars) == ([5], 2)
+    assert [(p.n, p.seed) for p in engines.params[1:]] == [(1, 10), (1, 11)]

@@ -108,6 +108,26 @@ def test_stop_string_with_held_back_text(engine):
     check_resumes_identically(engine, params, cuts=held[:3] + held[-2:] + [len(first) - 1])
 
 
+def test_a_choice_of_n_resumes_as_its_own_request(engine):
+    """An n > 1 stream moves choice by choice (cluster/handover.py): choice i of the request
+    runs as the one-sample request `for_child(i)` (seed + i), so resuming it from what the
+    client has of it, or starting it again when it has nothing, goes on as undisturbed."""
+    params = delta(n=3, temperature=1.0, top_p=0.95, seed=77, frequency_penalty=0.4)
+    whole = stream(engine, "whole-n", params)
+    by_choice = {i: [c for o in whole for c in o.outputs if c.index == i] for i in range(params.n)}
+    assert len({tuple(t for c in seen for t in c.token_ids) for seen in by_choice.values()}) == params.n  # distinct samples
+    for i, completions in by_choice.items():
+        for cut in (0, 1, len(completions) // 2):
+            seen = completions[:cut]
+            prior_ids = [t for c in seen for t in c.token_ids]
+            sent_text = "".join(c.text for c in seen)
+            resume = ResumeState(prior_ids, len(sent_text)) if seen else None
+            rest = [o.outputs[0] for o in stream(engine, f"choice-{i}-{cut}", params.for_child(i), resume)]
+            assert sent_text + "".join(c.text for c in rest) == "".join(c.text for c in completions), (i, cut)
+            assert prior_ids + [t for c in rest for t in c.token_ids] == [t for c in completions for t in c.token_ids], (i, cut)
+    assert not engine.output_processor.states and not engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     "params, resume, message",
     [
