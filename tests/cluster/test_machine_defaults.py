@@ -1,0 +1,37 @@
+"""`pagedserve serve` on a local Ray cluster it started: a lone CPU engine replica gets every core
+(launcher.machine_defaults); everything else keeps its one-CPU reservation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.cluster.launcher import machine_defaults
+from pagedserve.config import ServerConfig
+
+TWO_CORES = {"CPU": 2.0}
+
+
+def test_a_lone_cpu_replica_gets_every_core():
+    config = machine_defaults(ServerConfig(), TWO_CORES)
+    assert config.deployment.num_cpus == 2.0
+    assert config.model == ServerConfig().model  # nothing else changes
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"deployment": {"num_cpus": 1}},  # said by the user: kept, even when it equals the default
+        {"deployment": {"num_replicas": 2}},
+        {"deployment": {"autoscaling": {"max_replicas": 3}}},
+        {"engine": {"tensor_parallel_size": 2}},
+        {"engine": {"device": "cuda"}},
+    ],
+    ids=["explicit", "replicas", "autoscaling", "tp", "cuda"],
+)
+def test_other_setups_keep_one_cpu(kwargs):
+    config = ServerConfig(**kwargs)
+    assert machine_defaults(config, TWO_CORES).deployment.num_cpus == config.deployment.num_cpus
+
+
+def test_a_gpu_node_keeps_one_cpu():
+    assert machine_defaults(ServerConfig(), {"CPU": 16.0, "GPU": 1.0}).deployment.num_cpus == 1.0
