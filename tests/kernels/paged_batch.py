@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from pagedserve.kernels import AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, reference
 
 
 @dataclass
@@ -91,3 +92,20 @@ def random_lengths(num_decodes: int, num_prefills: int, max_context: int, max_qu
     prefill_q = [int(x) for x in torch.randint(2, max_query + 1, (num_prefills,), generator=gen)]
     prefill_ctx = [int(x) if i % 2 else 0 for i, x in enumerate(torch.randint(0, max_context, (num_prefills,), generator=gen))]
     return [1] * num_decodes + prefill_q, decode_ctx + prefill_ctx
+
+
+# Fast paths against the reference in float32 on the same rounded inputs: they accumulate in
+# float32 and round their output once (bfloat16: a relative 2^-8; float16: 2^-11).
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def check_against_reference(batch: PagedBatch, attention: Callable[..., torch.Tensor]) -> None:
+    """`attention` (a backend's `paged_attention`) on `batch` equals the float32 reference."""
+    cache = batch.kv_cache.clone()
+    reference.write_kv_cache(batch.key, batch.value, cache, batch.meta.slot_mapping)
+    f32 = [t.float() for t in (batch.query, batch.key, batch.value, cache)]
+    expected = reference.paged_attention(*f32, batch.meta, batch.scale)
+    actual = attention(batch.query, batch.key, batch.value, cache, batch.meta, batch.scale)
+    assert actual.dtype == batch.query.dtype and actual.shape == batch.query.shape
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)

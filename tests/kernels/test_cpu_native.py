@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native, get_attention_backend, native_build, reference
-from tests.kernels.paged_batch import PagedBatch, make_batch, random_lengths
+from tests.kernels.paged_batch import TOLERANCE, PagedBatch, make_batch, random_lengths
+from tests.kernels.paged_batch import check_against_reference as check_with
 
 CASES = {
     "decode_only": ([1, 1, 1, 1, 1], [70, 33, 32, 15, 0]),
@@ -20,25 +21,13 @@ CASES = {
     "chunked_prefill": ([16, 9], [48, 5]),
     "mixed": ([1, 1, 1, 12, 30, 3], [50, 17, 8, 0, 21, 64]),
 }
-# Compared with the reference in float32 on the same rounded inputs; the kernel accumulates in
-# float32 and rounds its output once (bfloat16: a relative 2^-8; float16: 2^-11).
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert cpu_native.is_available(), "the native CPU kernel did not build (g++ and torch's headers are needed)"
 
 
 def check_against_reference(batch: PagedBatch) -> None:
-    cache = batch.kv_cache.clone()
-    reference.write_kv_cache(batch.key, batch.value, cache, batch.meta.slot_mapping)
-    f32 = [t.float() for t in (batch.query, batch.key, batch.value, cache)]
-    expected = reference.paged_attention(*f32, batch.meta, batch.scale)
-    actual = cpu_native.paged_attention(batch.query, batch.key, batch.value, cache, batch.meta, batch.scale)
-    assert actual.dtype == batch.query.dtype and actual.shape == batch.query.shape
-    tol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(actual.float(), expected, atol=tol, rtol=tol)
+    check_with(batch, cpu_native.paged_attention)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
