@@ -95,15 +95,16 @@ def test_a_shared_prefix_stays_on_one_replica_and_outputs_are_unchanged(client, 
 
 
 def test_a_burst_on_one_prefix_spills_over_when_imbalanced(client, base_url):
-    """Long streams that share a prefix arrive together: once the replica holding it runs more
-    than imbalanced_threshold (2) requests beyond the other, the rest go to the other replica."""
+    """Long streams that share a prefix arrive together (200 tokens each, so they overlap however
+    fast the engine runs): once the replica holding the prefix runs more than
+    imbalanced_threshold (2) requests beyond the other, the rest go to the other replica."""
     before = per_replica(base_url, "pagedserve:prefix_cache_queries_total")
     prompt = "Once upon a time in a land far away, " * 10
     async_client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     async def stream(i: int) -> int:
         chunks = await async_client.completions.create(
-            model=MODEL, prompt=prompt + str(i), max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=prompt + str(i), max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
         return sum([len(chunk.choices[0].text) > 0 async for chunk in chunks if chunk.choices])
 

@@ -48,12 +48,10 @@ void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hi
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * hidden;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) {
+      const float sum = pagedserve::fixed_order_sum(hidden, [&](int64_t i) {
         const float v = to_float(row[i]);
-        sum += v * v;
-      }
+        return v * v;
+      });
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       T* dst = out + r * hidden;
 #pragma omp simd

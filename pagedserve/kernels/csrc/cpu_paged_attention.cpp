@@ -95,9 +95,7 @@ void attend_one(const T* query, T* out, const T* key_head, const T* value_head, 
     row_to_float(k, row, D);
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qj[d] * row[d];
+      const float dot = pagedserve::fixed_order_sum(D, [&](int64_t d) { return qj[d] * row[d]; });
       scores[j * context + t] = dot;
       maxes[j] = std::max(maxes[j], dot);
     }

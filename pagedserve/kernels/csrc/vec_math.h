@@ -1,6 +1,28 @@
 // Vector math shared by the CPU kernels.
 #pragma once
 
+#include <cstdint>
+
+namespace pagedserve {
+
+// A sum of n terms in a fixed order: sixteen lanes, then the lanes in turn. `#pragma omp simd
+// reduction` let the compiler peel a loop by its data's alignment, so the same inputs at another
+// address summed in another order: a replica's logits then depended on its heap, and seeded
+// sampling drifted between two runs of one request (tests/engine/test_resume.py caught it).
+template <typename Term>
+inline float fixed_order_sum(int64_t n, Term term) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int64_t l = 0; l < 16; ++l) lanes[l] += term(i + l);
+  float sum = 0.f;
+  for (int64_t l = 0; l < 16; ++l) sum += lanes[l];
+  for (; i < n; ++i) sum += term(i);
+  return sum;
+}
+
+}  // namespace pagedserve
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
