@@ -6,9 +6,8 @@
 namespace pagedserve {
 
 // A sum of n terms in a fixed order: sixteen lanes, then the lanes in turn. `#pragma omp simd
-// reduction` let the compiler peel a loop by its data's alignment, so the same inputs at another
-// address summed in another order: a replica's logits then depended on its heap, and seeded
-// sampling drifted between two runs of one request (tests/engine/test_resume.py caught it).
+// reduction` lets the compiler peel a loop by its data's alignment, so the same inputs at another
+// address could sum in another order and a row's result depend on where its scratch landed.
 template <typename Term>
 inline float fixed_order_sum(int64_t n, Term term) {
   float lanes[16] = {};
