@@ -65,3 +65,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
     torch.ops.pagedserve_cpu.silu_and_mul(out, x)
     return out
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ([tokens, heads, head_dim], rotate-half layout) rotated by each token's position, in one
+    pass; cos and sin are the float32 tables [max_positions, head_dim / 2]."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.pagedserve_cpu.rotary(out, x, positions.long().contiguous(), cos, sin)
+    return out

@@ -127,3 +127,23 @@ def test_fused_silu_and_mul_matches_the_torch_layer(shape, dtype):
 def test_layers_take_the_fused_path_only_in_half_precision_on_the_cpu():
     assert cpu_native.can_fuse(torch.zeros(2, 4, dtype=torch.bfloat16))
     assert not cpu_native.can_fuse(torch.zeros(2, 4))  # float32 stays on torch's ops (exactness)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_rotary_matches_the_torch_layer(dtype):
+    """On a view into a fused QKV output (not contiguous per token), as the attention layer calls it."""
+    from pagedserve.workers.layers.rotary import RotaryEmbedding, _rotate
+
+    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=gen).to(dtype)
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = q.view(6, 4, 64), k.view(6, 2, 64)
+    positions = torch.tensor([0, 1, 7, 300, 511, 42])
+    for x in (q, k):
+        expected = _rotate(x.float(), rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
+        actual = cpu_native.rotary(x, positions, rope.cos, rope.sin)
+        assert actual.dtype == dtype and actual.shape == x.shape
+        torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_native.rotary(q, torch.tensor([0, 1, 2, 3, 4, 512]), rope.cos, rope.sin)
