@@ -5,6 +5,8 @@ Measured against the pure-torch paths (`benchmarks/cpu_kernels.py`), it wins for
 and for prefill chunks alike (up to 2,048-token chunks).
 
 Same cache layout and signature as `reference.py`, the ground truth it is tested against.
+Beside it, the fused half-precision layers of `csrc/cpu_layers.cpp` (RMSNorm, SiLU-and-mul,
+rotary embeddings), which the model's layers call through `can_fuse`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pagedserve.kernels import native_build
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.reference import kv_cache_shape, write_kv_cache
 
-__all__ = ["kv_cache_shape", "write_kv_cache", "paged_attention", "is_available"]
+__all__ = ["kv_cache_shape", "write_kv_cache", "paged_attention", "is_available", "can_fuse", "rms_norm", "silu_and_mul", "rotary"]
 
 
 def is_available() -> bool:
