@@ -267,7 +267,7 @@ class ServerConfig(BaseModel):
         ge=0,
         le=3600,
         description="An LLMServer replica that receives SIGTERM hands its streams over to other replicas at once and "
-        "refuses new ones; streams that cannot move (n > 1 with text sent) may run this long before they are stopped "
+        "refuses new ones; streams that cannot move (cumulative outputs with text sent) may run this long before they are stopped "
         "too, and the replica exits. Keep it under the sender's own grace period (Kubernetes: 30 s by default).",
     )
     stream_interval_ms: float = Field(

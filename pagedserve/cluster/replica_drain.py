@@ -33,9 +33,10 @@ The drain (`ReplicaDrain`, on the replica's event loop):
    and sends the request elsewhere (cluster/handover.py), never showing the client an error. The
    replica's routing stats say `is_draining`, so routers stop picking it; the refusal covers the
    time until they hear.
-2. Every stream that can move (one sample streamed as deltas, or nothing sent yet) ends at once
+2. Every stream that can move (streamed as deltas, of any `n`, or nothing sent yet) ends at once
    with a `Handover` item: the ingress resumes it on another replica from what the client has.
-   Others (n > 1 with text sent) run on, until `drain_timeout_s`; then they end the same way.
+   Others (cumulative outputs with text sent; the ingress never asks for those) run on, until
+   `drain_timeout_s`; then they end the same way.
 3. With no stream left, the engine shuts down and the actor ends (`end_actor`).
 """
 
@@ -99,8 +100,9 @@ def end_actor() -> None:
 
 
 def can_resume(params: SamplingParams) -> bool:
-    """A stream the ingress can resume after it has sent text (handover.py's _Progress.can_move)."""
-    return params.n == 1 and params.output_kind == RequestOutputKind.DELTA
+    """A stream the ingress can resume after it has sent text (handover.py's _Progress.can_move):
+    deltas, of one choice or of several (each choice resumes as its own request)."""
+    return params.output_kind == RequestOutputKind.DELTA
 
 
 class ReplicaDrain:

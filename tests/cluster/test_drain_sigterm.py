@@ -38,10 +38,13 @@ def max_tokens(i: int) -> int:
 
 
 def sampling(i: int) -> dict:
-    """Half greedy, half seeded sampling; completions and chat alternate."""
+    """Half greedy, half seeded sampling (two of those streams with n=2: each choice moves as its
+    own request); completions and chat alternate. No top_p: a resumed request runs in another
+    batch, whose logits round ~1e-6 apart, and a nucleus edge can turn that into another draw."""
     if i % 2 == 0:
         return {"temperature": 0.0}
-    return {"temperature": 1.0, "top_p": 0.95, "seed": 100 + i, "frequency_penalty": 0.3}
+    n = {"n": 2} if i in (3, 5) else {}
+    return {"temperature": 1.0, "seed": 100 + i, "frequency_penalty": 0.3, **n}
 
 
 async def one(client: openai.AsyncOpenAI, i: int, is_stream: bool, started: asyncio.Event) -> tuple[str, int, int]:
@@ -53,23 +56,25 @@ async def one(client: openai.AsyncOpenAI, i: int, is_stream: bool, started: asyn
         started.set()
         if is_chat:
             body = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-            return body.choices[0].message.content, body.usage.prompt_tokens, body.usage.completion_tokens
-        body = await client.completions.create(prompt=prompt, **common)
-        return body.choices[0].text, body.usage.prompt_tokens, body.usage.completion_tokens
+            texts = {c.index: c.message.content for c in body.choices}
+        else:
+            body = await client.completions.create(prompt=prompt, **common)
+            texts = {c.index: c.text for c in body.choices}
+        return "|".join(texts[k] for k in sorted(texts)), body.usage.prompt_tokens, body.usage.completion_tokens
     options = {"stream": True, "stream_options": {"include_usage": True}}
     if is_chat:
         response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common, **options)
     else:
         response = await client.completions.create(prompt=prompt, **common, **options)
-    parts, usage = [], None
+    parts: dict[int, list[str]] = {}  # choice index -> its text, piece by piece
+    usage = None
     async for chunk in response:
-        if chunk.choices:
-            choice = chunk.choices[0]
-            parts.append((choice.delta.content if is_chat else choice.text) or "")
+        for choice in chunk.choices:
+            parts.setdefault(choice.index, []).append((choice.delta.content if is_chat else choice.text) or "")
             started.set()
         if chunk.usage is not None:
             usage = chunk.usage
-    return "".join(parts), usage.prompt_tokens, usage.completion_tokens
+    return "|".join("".join(parts[k]) for k in sorted(parts)), usage.prompt_tokens, usage.completion_tokens
 
 
 def is_stream(i: int) -> bool:

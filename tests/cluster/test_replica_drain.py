@@ -16,6 +16,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 HANDOVER = "handover"
 ONE_DELTA = SamplingParams(max_tokens=100, output_kind=RequestOutputKind.DELTA)
 TWO_DELTAS = SamplingParams(n=2, max_tokens=100, output_kind=RequestOutputKind.DELTA, temperature=1.0)
+CUMULATIVE = SamplingParams(max_tokens=100, output_kind=RequestOutputKind.CUMULATIVE)
 
 
 class EngineStream:
@@ -66,12 +67,14 @@ def test_streams_that_can_move_end_with_a_handover_at_once_then_the_replica_ends
 
         drain = ReplicaDrain(HANDOVER, 3600.0, on_drained)  # no deadline within the test
         one = Caller(drain, ONE_DELTA)  # resumes from what the client has
+        two = Caller(drain, TWO_DELTAS)  # each choice resumes as its own request
         whole = Caller(drain, SamplingParams(n=2, max_tokens=100))  # nothing sent before its end: restarts
         await one.put("a")
+        await two.put("b")
         drain.start()
-        await asyncio.gather(one.task, whole.task)
-        assert one.items == ["a", HANDOVER] and whole.items == [HANDOVER]
-        assert one.engine.is_closed and whole.engine.is_closed  # closed: the engine aborts them
+        await asyncio.gather(one.task, two.task, whole.task)
+        assert one.items == ["a", HANDOVER] and two.items == ["b", HANDOVER] and whole.items == [HANDOVER]
+        assert one.engine.is_closed and two.engine.is_closed and whole.engine.is_closed  # closed: the engine aborts them
         await drained.wait()
         assert drain.is_draining and drain.num_streams == 0
 
@@ -86,7 +89,7 @@ def test_a_stream_that_cannot_move_runs_until_the_deadline():
             drained.set()
 
         drain = ReplicaDrain(HANDOVER, 0.5, on_drained)
-        samples = Caller(drain, TWO_DELTAS)
+        samples = Caller(drain, CUMULATIVE)  # text sent, not as deltas: the ingress could not resume it
         await samples.put("a")
         drain.start()
         await samples.put("b")  # it runs on while the replica drains
