@@ -38,6 +38,8 @@ _state: dict[str, bool] = {}
 
 def load() -> bool:
     """True once the kernels' ops are registered (`torch.ops.pagedserve_cpu.*`)."""
+    if "loaded" in _state:  # the layers ask on every call: no lock once the answer is known
+        return _state["loaded"]
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = _try_load()

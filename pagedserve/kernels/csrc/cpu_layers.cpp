@@ -22,13 +22,7 @@
 
 namespace {
 
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using pagedserve::to_float;
 
 // Round to nearest even, as torch does (NaN inputs do not occur in these layers' finite math).
 inline c10::BFloat16 from_float(float f, c10::BFloat16) {

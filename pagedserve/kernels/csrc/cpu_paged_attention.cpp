@@ -30,14 +30,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using pagedserve::to_float;
 
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
@@ -51,6 +44,14 @@ template <typename T>
 inline void prefetch_block(const T* block, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(block);
   for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset);
+}
+
+// The block holding token t of a head's context; also prefetches the block after it.
+template <typename T>
+inline const T* block_of(const T* head, const int32_t* block_table, int64_t t, int64_t context, int64_t block_size, int64_t head_dim) {
+  const int64_t b = t / block_size, elements = block_size * head_dim;
+  if (t + block_size < context) prefetch_block(head + static_cast<int64_t>(block_table[b + 1]) * elements, elements);
+  return head + static_cast<int64_t>(block_table[b]) * elements;
 }
 
 struct Shape {
@@ -87,10 +88,7 @@ void attend_one(const T* query, T* out, const T* key_head, const T* value_head, 
   std::vector<float> maxes(group, -std::numeric_limits<float>::infinity());
   const T* block = nullptr;
   for (int64_t t = 0; t < context; ++t) {
-    if (t % BS == 0) {
-      block = key_head + static_cast<int64_t>(block_table[t / BS]) * BS * D;
-      if (t + BS < context) prefetch_block(key_head + static_cast<int64_t>(block_table[t / BS + 1]) * BS * D, BS * D);
-    }
+    if (t % BS == 0) block = block_of(key_head, block_table, t, context, BS, D);
     const T* k = block + (t % BS) * D;
     row_to_float(k, row, D);
     for (int64_t j = 0; j < group; ++j) {
@@ -112,10 +110,7 @@ void attend_one(const T* query, T* out, const T* key_head, const T* value_head, 
   }
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t t = 0; t < context; ++t) {
-    if (t % BS == 0) {
-      block = value_head + static_cast<int64_t>(block_table[t / BS]) * BS * D;
-      if (t + BS < context) prefetch_block(value_head + static_cast<int64_t>(block_table[t / BS + 1]) * BS * D, BS * D);
-    }
+    if (t % BS == 0) block = block_of(value_head, block_table, t, context, BS, D);
     const T* v = block + (t % BS) * D;
     row_to_float(v, row, D);
     for (int64_t j = 0; j < group; ++j) {
@@ -162,10 +157,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
 #endif
   const T* block = nullptr;
   for (int64_t t = 0; t < context; ++t) {
-    if (t % BS == 0) {
-      block = key_head + static_cast<int64_t>(block_table[t / BS]) * BS * D;
-      if (t + BS < context) prefetch_block(key_head + static_cast<int64_t>(block_table[t / BS + 1]) * BS * D, BS * D);
-    }
+    if (t % BS == 0) block = block_of(key_head, block_table, t, context, BS, D);
     const T* k = block + (t % BS) * D;
     __m512 acc[G];
     for (int64_t j = 0; j < group; ++j) acc[j] = _mm512_setzero_ps();
@@ -205,10 +197,7 @@ bool attend_fixed(const T* query, T* out, const T* key_head, const T* value_head
   for (int64_t j = 0; j < group; ++j)
     for (int64_t c = 0; c < chunks; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < context; ++t) {
-    if (t % BS == 0) {
-      block = value_head + static_cast<int64_t>(block_table[t / BS]) * BS * D;
-      if (t + BS < context) prefetch_block(value_head + static_cast<int64_t>(block_table[t / BS + 1]) * BS * D, BS * D);
-    }
+    if (t % BS == 0) block = block_of(value_head, block_table, t, context, BS, D);
     const T* v = block + (t % BS) * D;
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512 vc = pagedserve::load16(v + c * 16);

@@ -2,8 +2,21 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace pagedserve {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // A sum of n terms in a fixed order: sixteen lanes, then the lanes in turn. `#pragma omp simd
 // reduction` lets the compiler peel a loop by its data's alignment, so the same inputs at another
@@ -24,9 +37,6 @@ inline float fixed_order_sum(int64_t n, Term term) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 namespace pagedserve {
 
