@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import wait_until
+from tests.cluster.openai_requests import ask
 
 APP = "drainy"
 NUM_STREAMS = 8
@@ -87,30 +88,8 @@ def sampling(i: int) -> dict:
 async def one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event | None, max_tokens: int) -> tuple:
     """(each choice's text, prompt_tokens, completion_tokens) of request i; streamed unless
     `started` is None."""
-    common = {"model": APP, "max_tokens": max_tokens, "extra_body": {"ignore_eos": True}, **sampling(i)}
-    prompt = PROMPTS[i % len(PROMPTS)]
-    is_chat = i % 4 >= 2
-    if started is None:
-        if is_chat:
-            body = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-            texts = tuple(choice.message.content for choice in body.choices)
-        else:
-            body = await client.completions.create(prompt=prompt, **common)
-            texts = tuple(choice.text for choice in body.choices)
-        return texts, body.usage.prompt_tokens, body.usage.completion_tokens
-    options = {"stream": True, "stream_options": {"include_usage": True}}
-    if is_chat:
-        response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common, **options)
-    else:
-        response = await client.completions.create(prompt=prompt, **common, **options)
-    parts, usage = {}, None
-    async for chunk in response:
-        for choice in chunk.choices:
-            parts.setdefault(choice.index, []).append((choice.delta.content if is_chat else choice.text) or "")
-            started.set()
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return tuple("".join(parts[index]) for index in sorted(parts)), usage.prompt_tokens, usage.completion_tokens
+    params = {"max_tokens": max_tokens, "extra_body": {"ignore_eos": True}, **sampling(i)}
+    return await ask(client, APP, PROMPTS[i % len(PROMPTS)], i % 4 >= 2, params, started)
 
 
 async def run_all(base_url: str, disturb=None, calls: list | None = None, max_tokens: int = MAX_TOKENS) -> list[tuple]:

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from tests.cluster.conftest import deploy, wait_until
+from tests.cluster.openai_requests import ask
 
 APP = "sigterm"
 NUM_STREAMS = 8
@@ -47,41 +48,20 @@ def sampling(i: int) -> dict:
     return {"temperature": 1.0, "seed": 100 + i, "frequency_penalty": 0.3, **n}
 
 
-async def one(client: openai.AsyncOpenAI, i: int, is_stream: bool, started: asyncio.Event) -> tuple[str, int, int]:
-    """(text, prompt_tokens, completion_tokens) of request i; `started` is set at its first text."""
-    common = {"model": APP, "max_tokens": max_tokens(i), "extra_body": {"ignore_eos": True}, **sampling(i)}
-    prompt = PROMPTS[i % len(PROMPTS)]
-    is_chat = i % 4 >= 2
+async def one(client: openai.AsyncOpenAI, i: int, is_stream: bool, started: asyncio.Event) -> tuple:
+    """(each choice's text, prompt_tokens, completion_tokens) of request i; `started` is set at
+    its first text (at once for a whole request)."""
+    params = {"max_tokens": max_tokens(i), "extra_body": {"ignore_eos": True}, **sampling(i)}
     if not is_stream:
         started.set()
-        if is_chat:
-            body = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-            texts = {c.index: c.message.content for c in body.choices}
-        else:
-            body = await client.completions.create(prompt=prompt, **common)
-            texts = {c.index: c.text for c in body.choices}
-        return "|".join(texts[k] for k in sorted(texts)), body.usage.prompt_tokens, body.usage.completion_tokens
-    options = {"stream": True, "stream_options": {"include_usage": True}}
-    if is_chat:
-        response = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common, **options)
-    else:
-        response = await client.completions.create(prompt=prompt, **common, **options)
-    parts: dict[int, list[str]] = {}  # choice index -> its text, piece by piece
-    usage = None
-    async for chunk in response:
-        for choice in chunk.choices:
-            parts.setdefault(choice.index, []).append((choice.delta.content if is_chat else choice.text) or "")
-            started.set()
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return "|".join("".join(parts[k]) for k in sorted(parts)), usage.prompt_tokens, usage.completion_tokens
+    return await ask(client, APP, PROMPTS[i % len(PROMPTS)], i % 4 >= 2, params, started if is_stream else None)
 
 
 def is_stream(i: int) -> bool:
     return i < NUM_STREAMS or i == NUM_STREAMS + NUM_WHOLE
 
 
-async def run(base_url: str, disturb=None) -> list[tuple[str, int, int]]:
+async def run(base_url: str, disturb=None) -> list[tuple]:
     """Every request's result. `disturb(first_done)` runs in a thread once every stream has text:
     it sends SIGTERM and returns; the requests sent after the SIGTERM go out then, and
     `disturb.finish(first_done)` (also in a thread) plays the rest of the sender's part."""
