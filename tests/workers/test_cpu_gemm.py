@@ -18,7 +18,9 @@ from tests.kernels.paged_batch import make_batch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from cpu_forward import build  # noqa: E402  (the model as a CPU worker loads it)
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN: nothing is packed there (cpu_gemm.can_pack)"
+)
 
 
 def _forward(model) -> torch.Tensor:
