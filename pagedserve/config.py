@@ -55,6 +55,13 @@ class EngineConfig(BaseModel):
         description="torch threads of the process that runs the model on the CPU; default: what the "
         "process is allowed (Ray sets it from the actor's or replica's num_cpus).",
     )
+    light_step_cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads for a CPU step of at most 16 tokens (decode at light load), fewer than "
+        "num_cpu_threads so that a server's other processes get a core without stalling the model's threads; "
+        "default: the same as every other step. `pagedserve serve` sets it on a machine it has to itself.",
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None

@@ -59,13 +59,23 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     engine as many torch threads). Measured on a 2-core machine with Serve's proxy and the ingress
     beside it: two engine threads serve 1.29x the output tokens of one at saturation
     (benchmarks/results/README.md). Several replicas, a tensor- or pipeline-parallel engine, a
-    GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores."""
+    GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
+    Light steps (a few decode rows) leave one core to those processes (`light_step_cpu_threads`):
+    there a second model thread gains less than the stalls it suffers cost (model_runner.StepThreads).
+    The engine core runs in its own process (`engine_core_process`), so the model's Python does not
+    wait on the GIL behind Serve's event loop: at 1 req/s on 2 cores, ITL p50 36.7 ms against 50.7
+    in one process (benchmarks/results/README.md)."""
     deployment, engine = config.deployment, config.engine_config()
     is_gpu = engine.device == "cuda" or (engine.device == "auto" and resources.get("GPU", 0) > 0)
     if "num_cpus" in deployment.model_fields_set or is_gpu or engine.world_size > 1 or deployment.max_num_replicas > 1:
         return config
     cores = float(resources.get("CPU", os.cpu_count() or 1))
-    return config.model_copy(update={"deployment": deployment.model_copy(update={"num_cpus": cores})})
+    update: dict = {"deployment": deployment.model_copy(update={"num_cpus": cores})}
+    engine_defaults = {"engine_core_process": True}
+    if cores >= 2:
+        engine_defaults["light_step_cpu_threads"] = int(cores) - 1
+    update["engine"] = {**engine_defaults, **config.engine}  # what the user said wins
+    return config.model_copy(update=update)
 
 
 def _catch_stop_signals() -> Callable[[], int]:

@@ -32,6 +32,7 @@ class ModelRunner:
         if device.type == "cpu" and engine_config.num_cpu_threads is not None:
             # For the whole process: a CPU rank's process exists to run this model.
             torch.set_num_threads(engine_config.num_cpu_threads)
+        self.step_threads = StepThreads.for_device(device, engine_config.light_step_cpu_threads)
         self.backend = get_attention_backend(
             engine_config.attention_backend, device.type, block_size=self.block_size, dtype=model_config.dtype
         )
@@ -86,6 +87,8 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         inputs = self.input_batch.prepare(scheduler_output)
+        if self.step_threads is not None:
+            self.step_threads.set_for(inputs.num_tokens)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -112,6 +115,33 @@ class ModelRunner:
             self.parallel.send_to_next_stage(hidden)
             return None
         return hidden
+
+
+class StepThreads:
+    """Fewer torch threads for light CPU steps (`light_step_cpu_threads`). A decode step of a few
+    rows is mostly a read of the weights, which a second thread speeds up less than the per-token
+    work of a server's other processes (the Serve replica, ingress and proxy) slows it down when
+    they take one of its cores mid-step: the model's threads wait for each other at every op.
+    Measured on 2 cores, SmolLM2-135M bf16 at 1 req/s: ITL p50 38.7 ms with one thread against
+    50.7 with two (benchmarks/results/README.md)."""
+
+    LIGHT_STEP_TOKENS = 16
+
+    def __init__(self, full: int, light: int):
+        self.full, self.light = full, min(light, full)
+        self.current = full
+
+    @classmethod
+    def for_device(cls, device: torch.device, light: int | None) -> StepThreads | None:
+        if device.type != "cpu" or light is None:
+            return None
+        return cls(torch.get_num_threads(), light)
+
+    def set_for(self, num_tokens: int) -> None:
+        wanted = self.light if num_tokens <= self.LIGHT_STEP_TOKENS else self.full
+        if wanted != self.current:
+            torch.set_num_threads(wanted)
+            self.current = wanted
 
 
 def _to_runner_output(states: list[CachedRequestState], out: SamplerOutput) -> ModelRunnerOutput:

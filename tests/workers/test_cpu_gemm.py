@@ -23,9 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _forward(model) -> torch.Tensor:
+def _forward(model, query_lens=(1, 1, 9, 5), context_lens=(30, 12, 0, 7)) -> torch.Tensor:
     num_heads, num_kv_heads, head_dim = attention_dims(model.config)
-    query_lens, context_lens = [1, 1, 9, 5], [30, 12, 0, 7]
     batch = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype=model.lm_head.weight.dtype)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
     input_ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(0))
@@ -42,12 +41,33 @@ def _linears(model):
 @torch.inference_mode()
 def test_packed_bf16_forward_matches_plain(model_dirs, monkeypatch):
     packed = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
-    assert all(m.packed_weight is not None and m.weight.numel() == 0 for m in _linears(packed))
+    keeps_plain = cpu_gemm.small_batch_rows() > 0  # for the small-batch kernel
+    assert all(m.packed_weight is not None and (m.weight.numel() > 0) == keeps_plain for m in _linears(packed))
     assert packed.lm_head.packed_weight is not None and packed.lm_head.weight.numel() > 0
     monkeypatch.setattr(cpu_gemm, "can_pack", lambda weight: False)
     plain = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
     assert all(m.packed_weight is None for m in _linears(plain))
     torch.testing.assert_close(_forward(packed), _forward(plain), atol=6e-2, rtol=6e-2)
+    # three decode rows: the small-batch kernel where it runs
+    decode = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
+    torch.testing.assert_close(_forward(packed, **decode), _forward(plain, **decode), atol=6e-2, rtol=6e-2)
+
+
+@pytest.mark.skipif(cpu_gemm.small_batch_rows() == 0, reason="no AVX-512 BF16 (or no compiler) here: oneDNN takes every batch")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (37, 100), (5, 31)])
+def test_small_batch_kernel_matches_float32_within_a_rounding(rows, out_features, in_features):
+    """The native kernel for 1-4 rows, with a bias, widths that are not a multiple of its 32-wide
+    step, and input rows that are not contiguous with each other: the float32 product, rounded
+    once to bfloat16."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features + 7, generator=generator).to(torch.bfloat16)[:, :in_features]  # row stride != width
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    ours = cpu_gemm.linear(x, cpu_gemm.pack(weight), bias, weight)
+    one_rounding = exact.abs() * 2**-8 + 1e-4  # bfloat16 keeps 8 significant bits; float32 sums round too
+    assert ((ours.float() - exact).abs() <= one_rounding).all()
 
 
 @torch.inference_mode()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedserve import LLM
+from pagedserve.workers.model_runner import StepThreads
 
 
 def test_num_cpu_threads_sets_the_engine_process_threads(model_dirs):
@@ -22,3 +23,39 @@ def test_num_cpu_threads_sets_the_engine_process_threads(model_dirs):
 def test_num_cpu_threads_below_one_is_refused(model_dirs):
     with pytest.raises(ValueError, match="num_cpu_threads"):
         LLM(str(model_dirs["llama"]), num_cpu_threads=0)
+
+
+def test_light_steps_run_on_fewer_threads_and_stay_exact(model_dirs, hf_references):
+    """`light_step_cpu_threads`: prefill chunks over 16 tokens on every thread, decode steps of a
+    few rows on fewer; float32 greedy output still equals Hugging Face's."""
+    from tests.e2e.test_hf_exactness import PROMPTS, engine_vs_hf
+
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(model_dirs["llama"]), max_model_len=128, dtype="float32", num_cpu_threads=2, light_step_cpu_threads=1)
+        threads = llm.llm_engine.executor.worker.runner.step_threads
+        seen = []
+        original = threads.set_for
+        threads.set_for = lambda num_tokens: (original(num_tokens), seen.append((num_tokens, torch.get_num_threads())))
+        engine_vs_hf(llm, hf_references["llama"], PROMPTS)
+        assert {n for tokens, n in seen if tokens > StepThreads.LIGHT_STEP_TOKENS} == {2}
+        assert {n for tokens, n in seen if tokens <= StepThreads.LIGHT_STEP_TOKENS} == {1}
+        llm.shutdown()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_step_threads_change_only_when_the_step_size_class_does(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    threads = StepThreads(full=4, light=8)  # never more than the full count
+    assert threads.light == 4
+    threads = StepThreads(full=4, light=1)
+    for num_tokens in (512, 3, 2, 17, 16, 300):
+        threads.set_for(num_tokens)
+    assert calls == [1, 4, 1, 4]
+
+
+def test_light_step_threads_below_one_is_refused(model_dirs):
+    with pytest.raises(ValueError, match="light_step_cpu_threads"):
+        LLM(str(model_dirs["llama"]), light_step_cpu_threads=0)

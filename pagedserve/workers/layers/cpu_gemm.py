@@ -5,14 +5,22 @@ call; packing it at load time (what inductor's weight freezing and vLLM's CPU ba
 that: measured on SmolLM2-135M's bf16 forward, one thread, 16% of a decode step at 8 rows, 7% at
 64 and nothing at 128 (`benchmarks/cpu_forward.py`). float32 stays on `F.linear` (MKL), whose
 results the exactness tests pin against Hugging Face's.
+
+A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
+(`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
+the weight faster through it than through oneDNN. That costs a second copy of the linear weights
+in memory (for SmolLM2-135M, 270 MB) for about a tenth off a light decode step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import native_build
+
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
+_small_rows: list[int] = []
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -31,8 +39,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) through the packed weight, or for a few rows through `plain` (the unpacked
+    weight, when `keeps_plain` kept it) and the native small-batch kernel."""
+    if plain is not None and x.dim() == 2 and x.shape[0] <= small_batch_rows() and plain.numel() > 0:
+        out = x.new_empty(x.shape[0], plain.shape[0])
+        torch.ops.pagedserve_cpu.small_linear(out, x if x.stride(1) == 1 else x.contiguous(), plain, bias)
+        return out
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def keeps_plain(weight: torch.Tensor) -> bool:
+    """Whether a packed layer keeps its plain weight too, for the small-batch kernel."""
+    return weight.dtype == torch.bfloat16 and small_batch_rows() > 0
+
+
+def small_batch_rows() -> int:
+    """The most rows the native small-batch kernel takes here; 0: not built, or this CPU has no
+    AVX-512 BF16."""
+    if not _small_rows:  # asked on every call: answered once
+        _small_rows.append(torch.ops.pagedserve_cpu.small_linear_max_rows() if native_build.load() else 0)
+    return _small_rows[0]
 
 
 def pack_model(model: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:

@@ -56,7 +56,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed_weight is not None:
-            local = cpu_gemm.linear(hidden, self.packed_weight, None)
+            local = cpu_gemm.linear(hidden, self.packed_weight, None, self.weight)
         else:
             local = F.linear(hidden, self.weight)
         logits = self.parallel.gather_to_first(local)

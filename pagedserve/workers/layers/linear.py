@@ -56,16 +56,18 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return cpu_gemm.linear(x, self.packed_weight, self.bias)
+            return cpu_gemm.linear(x, self.packed_weight, self.bias, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
 def pack_weight(layer: nn.Module) -> bool:
-    """After loading: the layer's weight in oneDNN's layout (cpu_gemm), the plain copy freed."""
+    """After loading: the layer's weight in oneDNN's layout (cpu_gemm). The plain copy is freed
+    unless the small-batch kernel reads it (cpu_gemm.keeps_plain)."""
     if not cpu_gemm.can_pack(layer.weight):
         return False
     layer.packed_weight = cpu_gemm.pack(layer.weight)
-    layer.weight.data = layer.weight.data.new_empty(0)  # only the packed copy is read from now on
+    if not cpu_gemm.keeps_plain(layer.weight):
+        layer.weight.data = layer.weight.data.new_empty(0)  # only the packed copy is read from now on
     return True
 
 
@@ -140,6 +142,6 @@ class RowParallelLinear(nn.Module):
         return pack_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight) if self.packed_weight is None else cpu_gemm.linear(x, self.packed_weight, None)
+        partial = F.linear(x, self.weight) if self.packed_weight is None else cpu_gemm.linear(x, self.packed_weight, None, self.weight)
         out = self.parallel.all_reduce(partial)
         return out + self.bias if self.bias is not None else out
