@@ -148,8 +148,6 @@ class AsyncLLM:
         engine raises EngineDeadError (also mid-stream). Leaving the iteration early (a client
         that went away) aborts the request."""
         self._raise_if_dead()
-        if sampling_params.n > self.config.max_n:
-            raise ValueError(f"n={sampling_params.n} exceeds the engine's max_n={self.config.max_n}")
         processed = self.engine.input_processor.process(prompt, sampling_params, resume)  # resume: see ResumeState
         stream = _Stream(asyncio.get_running_loop(), sampling_params.output_kind)
         with self._lock:

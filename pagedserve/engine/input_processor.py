@@ -86,6 +86,8 @@ class InputProcessor:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _check_params(self, params: SamplingParams) -> None:
+        if params.n > self.engine_config.max_n:
+            raise ValueError(f"n={params.n} exceeds the engine's max_n={self.engine_config.max_n}")
         limit = self.engine_config.max_logprobs
         if params.logprobs is not None and params.logprobs > limit:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's max_logprobs={limit}")

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from pagedserve.cluster.node_drain import local_replicas
 from tests.cluster.conftest import deploy, wait_until
 from tests.cluster.openai_requests import ask
 
@@ -121,6 +122,8 @@ class Sender:
 
     def __call__(self) -> None:
         pids = wait_until(lambda: len(p := replica_pids()) == self.num_replicas and p, timeout=60, what="the live replicas")
+        # The chart's preStop hook finds a node's replicas by their process titles: so does it here.
+        assert set(pids.values()) <= {process.pid for process in local_replicas()}
         # Both replicas' latest reports show the streams (a report is at most a second old).
         running = wait_until(
             lambda: (r := running_by_replica(self.base_url)) and sum(r.values()) >= NUM_STREAMS and r,

@@ -202,6 +202,7 @@ def test_chat_applies_the_template(llm):
         (["ok", 42], None, "a prompt must be"),
         (["a", "b", "c"], [SamplingParams(), SamplingParams()], "3 prompts but 2 sampling params"),
         (["ok", "fine"], [SamplingParams(), SamplingParams(logprobs=50)], "max_logprobs=20"),
+        (["ok", "fine"], [SamplingParams(), SamplingParams(n=129)], "n=129 exceeds the engine's max_n=128"),
         (["ok", "fine"], [SamplingParams(), SamplingParams(stop_token_ids=[10**6])], "stop_token_ids"),
         (["ok", "fine"], [SamplingParams(), {"temperature": 0}], "must be a SamplingParams"),
     ],

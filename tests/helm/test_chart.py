@@ -142,7 +142,10 @@ def test_kuberay_conventions(rendered):
     for name, _, pod in groups:
         container = pod["containers"][0]
         assert container["image"] == "ghcr.io/pagedserve/pagedserve:0.1.0-cuda"
-        assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop"
+        # the node's replicas hand their streams over first, for the drain timeout and a margin
+        drain_wait = ServerConfig().drain_timeout_s + 10
+        assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == f"python -m pagedserve.cluster.node_drain --timeout-s {drain_wait:.0f}; ray stop"
+        assert pod["terminationGracePeriodSeconds"] == drain_wait + 30
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
     (worker_name, _, worker) = groups[1]
     limits = worker["containers"][0]["resources"]["limits"]

@@ -136,12 +136,27 @@ defaults are AutoscalingConfig's (tests/helm checks the two agree). */}}
 {{- end }}
 {{- end -}}
 
-{{/* Stop Ray cleanly before the pod goes (KubeRay's samples do the same). */}}
+{{/* Before the pod goes: SIGTERM this node's LLMServer replicas, which hand their streams over
+to replicas on other nodes and exit (pagedserve.cluster.node_drain, waiting up to the drain
+timeout and a margin), then stop Ray cleanly (KubeRay's samples do that last step too). */}}
 {{- define "pagedserve.lifecycle" -}}
 lifecycle:
   preStop:
     exec:
-      command: ["/bin/sh", "-c", "ray stop"]
+      command: ["/bin/sh", "-c", {{ printf "python -m pagedserve.cluster.node_drain --timeout-s %d; ray stop" (include "pagedserve.drainWaitSeconds" . | int) | quote }}]
+{{- end -}}
+
+{{/* How long the preStop hook waits for the replicas' drain: server.drain_timeout_s plus a margin. */}}
+{{- define "pagedserve.drainWaitSeconds" -}}
+{{- $server := .Values.server -}}
+{{- $drain := 20.0 -}}
+{{- if hasKey $server "drain_timeout_s" -}}{{- $drain = float64 $server.drain_timeout_s -}}{{- end -}}
+{{- add (int (ceil $drain)) 10 -}}
+{{- end -}}
+
+{{/* The pod's grace period: the preStop hook's wait, then `ray stop` (about 30 s at most). */}}
+{{- define "pagedserve.terminationGracePeriodSeconds" -}}
+terminationGracePeriodSeconds: {{ add (include "pagedserve.drainWaitSeconds" . | int) 30 }}
 {{- end -}}
 
 {{/* rayStartParams as KubeRay wants them: every value a string. */}}

@@ -6,8 +6,8 @@
 // the weight front to back, one row at a time (one sequential stream, which the hardware
 // prefetcher follows best), dots each 32-element piece with every input row held in L1 (AVX-512
 // BF16 pair dot products into float32), and reduces each output once at the end. Measured on
-// SmolLM2-135M's layers: 1.2x oneDNN's packed GEMM on one thread at 3 rows, 1.4x on two
-// (benchmarks/cpu_small_linear.py).
+// SmolLM2-135M's layers, one or two threads: 1.2-1.4x oneDNN's packed GEMM at one to three rows,
+// about even at four (benchmarks/results/cpu_small_linear.json).
 //
 // Each output is the same sum in the same order whatever the number of rows, so a row's result
 // does not depend on what it is batched with. Machines without AVX-512 BF16 do not use it
@@ -51,11 +51,11 @@ inline void dot_step(__m512* acc, __m512bh w, const uint16_t* x, int64_t ldx, in
 }
 
 // out[m, n] for weight rows [n0, n1) and M input rows. U independent accumulators per output
-// keep the dot products' latency off the critical path.
+// keep the dot products' latency off the critical path (three at four rows was no faster).
 template <int M>
 void weight_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N,
                  int64_t K, int64_t n0, int64_t n1) {
-  constexpr int U = M <= 3 ? 4 : 3;
+  constexpr int U = 4;  // 4 x M accumulators: at most 16 of the 32 vector registers
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* row = w + n * K;
     __m512 acc[U][M];

@@ -1,0 +1,103 @@
+"""bfloat16 linear layers at 1-4 rows (decode at light load): the native small-batch kernel
+(`csrc/cpu_small_linear.cpp`, on the plain weight) against oneDNN on its prepacked weight, on the
+shapes of a model's layers (every linear of every decoder layer, then the LM head), and the whole
+eager forward with the kernel on and off.
+
+Each figure is the median wall time of `--repeats` passes over all the layers, so the weights come
+from memory as in a real step (the layers together are far larger than the caches). Run it on a
+quiet machine: wall time, and a second thread's work is not this thread's CPU time.
+
+    python benchmarks/cpu_small_linear.py --model /work/smollm2-hf \\
+        --output benchmarks/results/cpu_small_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpu_forward import build, steps  # noqa: E402
+from peers.servers import machine_info  # noqa: E402
+
+from pagedserve.workers.layers import cpu_gemm  # noqa: E402
+from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default="1,2,3,4")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--output", type=Path)
+    return parser.parse_args()
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1000, 2)
+
+
+def layer_pass(model, rows: int, small: bool) -> Callable[[], None]:
+    """Every linear of the model and its LM head once, on `rows` random rows."""
+    layers = [*(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), model.lm_head]
+    xs = [torch.randn(rows, m.weight.shape[1], dtype=torch.bfloat16) for m in layers]
+
+    def run() -> None:
+        for m, x in zip(layers, xs):
+            cpu_gemm.linear(x, m.packed_weight, None, m.weight if small else None)
+
+    return run
+
+
+@torch.inference_mode()
+def main() -> None:
+    args = parse_args()
+    if cpu_gemm.small_batch_rows() == 0:
+        sys.exit("the small-batch kernel does not run here (no AVX-512 BF16, or no compiler)")
+    model = build(Path(args.model), torch.bfloat16, 4096)
+    weight_mb = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    weight_mb = (weight_mb + model.lm_head.weight.numel() * 2) / 1e6
+    report = {"machine": machine_info(), "model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}}
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for rows in map(int, args.rows.split(",")):
+            small = median_ms(layer_pass(model, rows, small=True), args.repeats)
+            onednn = median_ms(layer_pass(model, rows, small=False), args.repeats)
+            shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=16)
+            input_ids, positions, meta, kv_cache = steps(model, shape, torch.bfloat16)["decode"]
+            for attn in model.attention_layers():
+                attn.kv_cache = kv_cache
+            forward = lambda: model.compute_logits(model(input_ids, positions, meta))  # noqa: E731
+            with_kernel = median_ms(forward, args.repeats)
+            limit = cpu_gemm._small_rows[0]
+            cpu_gemm._small_rows[0] = 0  # oneDNN for every batch
+            without = median_ms(forward, args.repeats)
+            cpu_gemm._small_rows[0] = limit
+            key = f"{threads}_threads_{rows}_rows"
+            report["layers"][key] = {"small_ms": small, "onednn_ms": onednn, "speedup": round(onednn / small, 2), "small_gb_s": round(weight_mb / small, 1)}
+            report["forward"][key] = {"with_ms": with_kernel, "without_ms": without, "speedup": round(without / with_kernel, 2)}
+            print(f"[{key}] layers {report['layers'][key]}  forward {report['forward'][key]}", file=sys.stderr, flush=True)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
