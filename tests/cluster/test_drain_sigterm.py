@@ -143,11 +143,11 @@ class Sender:
             time.sleep(0.05)
 
 
-def deploy_replicas(model_dir, num_replicas: int) -> None:
+def deploy_replicas(model_dir, num_replicas: int, **engine) -> None:
     """The app with that many LLMServer replicas (a change of the count only scales)."""
     config = {
         "model": str(model_dir), "served_model_name": APP, "graceful_shutdown_s": 2.0,
-        "engine": {"max_model_len": 512}, "deployment": {"num_replicas": num_replicas},
+        "engine": {"max_model_len": 512, **engine}, "deployment": {"num_replicas": num_replicas},
     }
     deploy(config, APP, f"/{APP}")
     wait_until(lambda: len(replica_pids()) == num_replicas, timeout=120, what=f"{num_replicas} live replicas")
@@ -183,3 +183,10 @@ def test_sigterm_to_the_only_replica_waits_for_its_replacement(sigterm_url, undi
     """The moved requests wait in the router until Serve's replacement runs; none fails."""
     deploy_replicas(model_dirs["llama"], 1)
     sigterm_mid_stream(sigterm_url, 1, undisturbed)
+
+
+def test_sigterm_to_a_replica_whose_engine_core_runs_in_its_own_process(sigterm_url, undisturbed, model_dirs):
+    """What `pagedserve serve` runs on a machine of its own: the drain stops the core process too."""
+    deploy_replicas(model_dirs["llama"], 2, engine_core_process=True)
+    sigterm_mid_stream(sigterm_url, 2, undisturbed)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "pagedserve.engine.core.proc" in " ".join(p.info["cmdline"] or []) and p.ppid() == 1]

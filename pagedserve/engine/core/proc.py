@@ -8,6 +8,7 @@ file (the parent exited, however it died) ends this process, even in the middle 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import pickle
@@ -77,5 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown, which took about a second here after the engine
+    had already released everything (measured): a draining replica waits for its core to exit.
+    The exit handlers still run (`ray.shutdown` where the core joined Ray)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
