@@ -1,5 +1,6 @@
 """Drain the LLMServer replicas of this node before it stops: `python -m
-pagedserve.cluster.node_drain [--timeout-s S]`, the Helm chart's preStop hook before `ray stop`.
+pagedserve.cluster.node_drain [--timeout-s S] [--app NAME]`, the Helm chart's preStop hook before
+`ray stop`.
 
 `ray stop`, and a pod's deletion behind it, end every Ray process on the node at once, so a
 replica's streams would end with an error. Run first, this sends each local LLMServer replica
