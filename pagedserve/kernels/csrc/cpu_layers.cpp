@@ -18,27 +18,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
+using pagedserve::round_to;
 using pagedserve::to_float;
-
-// Round to nearest even, as torch does (NaN inputs do not occur in these layers' finite math).
-inline c10::BFloat16 from_float(float f, c10::BFloat16) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  c10::BFloat16 out;
-  out.x = static_cast<uint16_t>(bits >> 16);
-  return out;
-}
-inline c10::Half from_float(float f, c10::Half) { return static_cast<c10::Half>(f); }
-
-template <typename T>
-inline T round_to(float f) {
-  return from_float(f, T());
-}
 
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, float eps) {

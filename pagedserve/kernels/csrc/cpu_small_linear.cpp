@@ -17,8 +17,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
+
+#include "vec_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -27,37 +28,27 @@
 
 namespace {
 
+using BF16 = c10::BFloat16;
+using pagedserve::round_to;
+using pagedserve::to_float;
+
 constexpr int64_t MAX_ROWS = 4;  // beyond this oneDNN's GEMM is as fast or faster
 constexpr int64_t GRAIN = 64;    // weight rows per task
 
 #if PAGEDSERVE_SMALL_LINEAR
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline void dot_step(__m512* acc, __m512bh w, const uint16_t* x, int64_t ldx, int rows, int64_t k) {
+inline void dot_step(__m512* acc, __m512bh w, const BF16* x, int64_t ldx, int rows, int64_t k) {
   for (int m = 0; m < rows; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * ldx + k), w);
 }
 
 // out[m, n] for weight rows [n0, n1) and M input rows. U independent accumulators per output
 // keep the dot products' latency off the critical path (three at four rows was no faster).
 template <int M>
-void weight_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t N,
+void weight_rows(const BF16* x, int64_t ldx, const BF16* w, const BF16* bias, BF16* out, int64_t N,
                  int64_t K, int64_t n0, int64_t n1) {
   constexpr int U = 4;  // 4 x M accumulators: at most 16 of the 32 vector registers
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* row = w + n * K;
+    const BF16* row = w + n * K;
     __m512 acc[U][M];
     for (int u = 0; u < U; ++u)
       for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
@@ -71,16 +62,16 @@ void weight_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16
       for (int m = 0; m < M; ++m)
         acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k), wv);
     }
-    const float b = bias ? bf16_to_float(bias[n]) : 0.f;
+    const float b = bias ? to_float(bias[n]) : 0.f;
     for (int m = 0; m < M; ++m) {
       __m512 sum = acc[0][m];
       for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m]);
-      out[m * N + n] = float_to_bf16(_mm512_reduce_add_ps(sum) + b);
+      out[m * N + n] = round_to<BF16>(_mm512_reduce_add_ps(sum) + b);
     }
   }
 }
 
-using RowsFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, int64_t);
+using RowsFn = void (*)(const BF16*, int64_t, const BF16*, const BF16*, BF16*, int64_t, int64_t, int64_t, int64_t);
 constexpr RowsFn BY_ROWS[MAX_ROWS] = {weight_rows<1>, weight_rows<2>, weight_rows<3>, weight_rows<4>};
 
 #endif
@@ -105,10 +96,10 @@ void small_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "small_linear: 1 to ", MAX_ROWS, " rows");
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N, "small_linear: bias [out] bfloat16");
 #if PAGEDSERVE_SMALL_LINEAR
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const auto* bp = bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const BF16* xp = x.data_ptr<BF16>();
+  const BF16* wp = weight.data_ptr<BF16>();
+  const BF16* bp = bias ? bias->data_ptr<BF16>() : nullptr;
+  BF16* op = out.data_ptr<BF16>();
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) { BY_ROWS[M - 1](xp, ldx, wp, bp, op, N, K, begin, end); });
 #endif

@@ -18,6 +18,22 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// Round to nearest even, as torch does (NaN inputs do not occur in the kernels' finite math).
+inline c10::BFloat16 from_float(float f, c10::BFloat16) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(bits >> 16);
+  return out;
+}
+inline c10::Half from_float(float f, c10::Half) { return static_cast<c10::Half>(f); }
+
+template <typename T>
+inline T round_to(float f) {
+  return from_float(f, T());
+}
+
 // A sum of n terms in a fixed order: sixteen lanes, then the lanes in turn. `#pragma omp simd
 // reduction` lets the compiler peel a loop by its data's alignment, so the same inputs at another
 // address could sum in another order and a row's result depend on where its scratch landed.
