@@ -5,7 +5,8 @@ SIGTERM succeed; its process exits.
 Two replicas of the tiny Llama, the real openai client, greedy and seeded sampling. The sender
 behaves as Kubernetes and `ray stop` do: SIGTERM, then SIGKILL once a grace period is over. The
 grace here is measured in the requests' progress, not in seconds: it ends when the first request
-that was in flight at the SIGTERM completes. Ray alone (old main) keeps a SIGTERMed replica's
+that was still in flight at the SIGTERM completes (hundreds of tokens later: seconds here,
+against a drained replica's exit in well under one). Ray alone (old main) keeps a SIGTERMed replica's
 streams running in place until then, so the SIGKILL cuts them; the requests' lengths differ, so
 the replica still has some unfinished then."""
 
@@ -36,7 +37,7 @@ PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", 
 def max_tokens(i: int) -> int:
     """Long enough to be mid-stream at the SIGTERM; each request a different length, so the
     replica's requests do not all end in one step. Those sent after the SIGTERM are short."""
-    return 16 if i >= NUM_STREAMS + NUM_WHOLE else 150 + 8 * i
+    return 16 if i >= NUM_STREAMS + NUM_WHOLE else 400 + 8 * i
 
 
 def sampling(i: int) -> dict:
@@ -75,7 +76,9 @@ async def run(base_url: str, disturb=None) -> list[tuple]:
             await asyncio.to_thread(disturb)
         calls += [asyncio.ensure_future(one(client, i, is_stream(i), started[i])) for i in range(num_before, num_before + NUM_AFTER)]
         if disturb is not None:
-            await asyncio.to_thread(disturb.finish, lambda: any(call.done() for call in calls[:num_before]))
+            in_flight = [call for call in calls[:num_before] if not call.done()]  # a request done before counts for nothing
+            assert in_flight, "every request ended before the SIGTERM: nothing was mid-stream"
+            await asyncio.to_thread(disturb.finish, lambda: any(call.done() for call in in_flight))
         return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)  # a failed request raises here
 
 
@@ -133,14 +136,16 @@ class Sender:
         assert running[busiest] >= 2, f"the SIGTERMed replica must hold streams of different lengths: {running}"
         self.pid = pids[busiest]
         os.kill(self.pid, signal.SIGTERM)
+        self.sigterm_time = time.monotonic()
 
     def finish(self, is_grace_over) -> None:
         while is_alive(self.pid):
             if is_grace_over():
                 os.kill(self.pid, signal.SIGKILL)
                 self.is_killed = True
-                return
+                break
             time.sleep(0.05)
+        self.seconds_alive = time.monotonic() - self.sigterm_time  # for the failure's message
 
 
 def deploy_replicas(model_dir, num_replicas: int, **engine) -> None:
@@ -172,7 +177,7 @@ def sigterm_mid_stream(base_url: str, num_replicas: int, undisturbed) -> None:
     results = asyncio.run(run(base_url, sender))
     assert results == undisturbed  # text, prompt and completion tokens: as if undisturbed
     # It handed its streams over at once and exited, long before any of them could end.
-    assert not sender.is_killed, "the SIGTERMed replica was still running when the first request in flight completed"
+    assert not sender.is_killed, f"the SIGTERMed replica was still running when the first request in flight completed, {sender.seconds_alive:.1f} s after the SIGTERM"
 
 
 def test_sigterm_mid_stream_hands_streams_over(sigterm_url, undisturbed):
