@@ -71,6 +71,10 @@ class Request:
         self.all_token_ids: list[int] = [*prompt_token_ids, *resumed_output_token_ids]
         self.num_computed_tokens = 0
         self.max_tokens = resolve_max_tokens(sampling_params, len(prompt_token_ids), max_model_len)
+        # Both length limits as one token count (outputs include resumed ones): the scheduler's
+        # per-step check is then one comparison, and one set lookup for the tokens that may stop it.
+        self.length_cap = min(max_model_len, len(prompt_token_ids) + self.max_tokens)
+        self.stop_ids = self.eos_token_ids | frozenset(sampling_params.stop_token_ids)
         self.stop_token_id: int | None = None  # the one of stop_token_ids that ended it
         # Prompt tokens hit in the prefix cache when first scheduled; None until then (a request
         # resumed after preemption keeps its first count).

@@ -107,20 +107,29 @@ class Scheduler:
         diffs = CachedRequestData()  # for the running requests, which the workers hold
 
         self._preempted_this_step = False
+        # This loop runs for every running request every step: locals, and no call in the common
+        # decode case (benchmarks/engine_step_cpu.py measures it).
+        block_size = self.kv_cache_manager.block_size
+        held_blocks = self.kv_cache_manager.req_to_blocks
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - num_computed, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
-            if self._fits_in_held_blocks(request, num_new):
-                new_blocks = ()  # most decode steps: no block to allocate, none to register
+            # Its blocks already hold the new tokens and none fills up (nothing to register in
+            # the prefix cache): allocate_slots would change nothing. Most decode steps.
+            num_held = len(held_blocks.get(request.request_id, ()))
+            if num_computed % block_size + num_new < block_size and num_held * block_size > num_computed:
+                new_block_ids = []
             else:
                 new_blocks = self._allocate_or_preempt(request, num_new)
-            if new_blocks is None:  # the request preempted itself; everything older is scheduled
-                break
+                if new_blocks is None:  # the request preempted itself; everything older is scheduled
+                    break
+                new_block_ids = [block.block_id for block in new_blocks]
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            self._add_diff(diffs, request, new_blocks)
+            diffs.add(request, new_block_ids)
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
@@ -152,10 +161,11 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         logprobs = runner_output.logprobs or {}
+        requests = self.requests
         outputs = []
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # ended (aborted) while the step ran
             request.num_computed_tokens += num_tokens
@@ -163,13 +173,14 @@ class Scheduler:
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token_id(token_id)
-            status = self._check_stop(request)
             finish_reason = None
-            if status is not None:
-                request.status = status
-                self._free(request)
-                any_finished = True
-                finish_reason = status.finish_reason
+            if len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids:  # else it goes on
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    request.status = status
+                    self._free(request)
+                    any_finished = True
+                    finish_reason = status.finish_reason
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -186,15 +197,6 @@ class Scheduler:
         return outputs
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _fits_in_held_blocks(self, request: Request, num_new: int) -> bool:
-        """True when the request's blocks already hold its next `num_new` tokens and none of its
-        blocks fills up (so the prefix cache has nothing to register): allocate_slots would
-        change nothing, and skipping it is most of a decode step's scheduling cost."""
-        block_size = self.kv_cache_manager.block_size
-        offset = request.num_computed_tokens % block_size
-        num_held = len(self.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
-        return offset + num_new < block_size and num_held * block_size > request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list | None:
         """Blocks for the request, preempting the newest running requests until they fit.
@@ -228,16 +230,16 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Whether the token just appended ends the request (max_model_len, max_tokens, an EOS
+        or one of stop_token_ids past min_tokens)."""
+        if request.num_tokens >= request.length_cap:
             return RequestStatus.FINISHED_LENGTH_CAPPED
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens < request.sampling_params.min_tokens:
             return None
-        token_id = request.output_token_ids[-1]
         if token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if token_id in request.sampling_params.stop_token_ids:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
@@ -253,9 +255,3 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
-    def _add_diff(self, diffs: CachedRequestData, request: Request, new_blocks: list) -> None:
-        diffs.req_ids.append(request.request_id)
-        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
-        request.num_tokens_on_workers = request.num_tokens
-        diffs.new_block_ids.append([block.block_id for block in new_blocks])
-        diffs.num_computed_tokens.append(request.num_computed_tokens)

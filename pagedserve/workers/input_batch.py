@@ -73,23 +73,27 @@ class InputBatch:
     def _apply_diffs(self, cached: CachedRequestData) -> None:
         if not len(cached):
             return
-        rows = [self.row_of[req_id] for req_id in cached.req_ids]
-        one_token_rows, one_tokens = [], []
+        row_of, row_states = self.row_of, self.row_states
+        rows = [row_of[req_id] for req_id in cached.req_ids]
+        one_token_rows, one_tokens = [], []  # the common case (a decode), written below in one go
         for row, tokens, blocks, num_computed in zip(rows, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
-            self.row_states[row].num_computed_tokens = num_computed
-            if len(tokens) == 1 and self.num_tokens[row] < self.token_ids.shape[1]:
-                one_token_rows.append(row)  # the common case, written below in one go
+            state = row_states[row]
+            state.num_computed_tokens = num_computed
+            state.token_ids += tokens
+            if len(tokens) == 1:
+                one_token_rows.append(row)
                 one_tokens.append(tokens[0])
-                self.row_states[row].token_ids.append(tokens[0])
             elif tokens:
                 self._append_tokens(row, tokens)
-                self.row_states[row].token_ids.extend(tokens)
             if blocks:
                 self._append_blocks(row, blocks)
-                self.row_states[row].block_ids.extend(blocks)
+                state.block_ids += blocks
         if one_token_rows:
-            self.token_ids[one_token_rows, self.num_tokens[one_token_rows]] = one_tokens
-            self.num_tokens[one_token_rows] += 1
+            ends = self.num_tokens[one_token_rows]
+            if ends.max() >= self.token_ids.shape[1]:
+                self.token_ids = _widen(self.token_ids, int(ends.max()) + 1)
+            self.token_ids[one_token_rows, ends] = one_tokens
+            self.num_tokens[one_token_rows] = ends + 1
         self.num_computed[rows] = cached.num_computed_tokens
 
     def _append_tokens(self, row: int, tokens: list[int]) -> None:
