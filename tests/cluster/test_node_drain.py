@@ -17,17 +17,16 @@ import pytest
 
 from pagedserve.cluster import node_drain
 
-# A stand-in: exits a moment after SIGTERM (a replica's drain), or ignores it.
-DRAINS = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(0))); time.sleep(120)"
-IGNORES = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+# A stand-in: exits a moment after SIGTERM (a replica's drain), or ignores it. Each says "ready"
+# once its handler is in place: a SIGTERM before that would end it by the default action.
+DRAINS = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(0))); print('ready', flush=True); time.sleep(120)"
+IGNORES = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
 
 
 def titled(title: str, code: str) -> subprocess.Popen:
-    process = subprocess.Popen(["bash", "-c", f'exec -a "{title}" {sys.executable} -c "{code}"'])
-    deadline = time.monotonic() + 10
-    while not " ".join(psutil.Process(process.pid).cmdline()).startswith(title):
-        assert time.monotonic() < deadline, "the stand-in never took its title"
-        time.sleep(0.05)
+    process = subprocess.Popen(["bash", "-c", f'exec -a "{title}" {sys.executable} -c "{code}"'], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n", "the stand-in exited before it was ready"
+    assert " ".join(psutil.Process(process.pid).cmdline()).startswith(title), "the stand-in did not take its title"
     return process
 
 
