@@ -38,6 +38,43 @@ def _linears(model):
     return [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packs_dtype_answers_what_onednn_does(dtype):
+    """oneDNN packs a half-precision weight only on CPUs with the instructions its path needs
+    (float16 fails on this AVX-512 BF16 machine); `packs_dtype` must say so beforehand, since a
+    failed pack at load time ended the whole engine."""
+    try:
+        cpu_gemm.pack(torch.randn(8, 16).to(dtype))
+        packs = True
+    except RuntimeError:
+        packs = False
+    assert cpu_gemm.packs_dtype(dtype) == packs
+    assert cpu_gemm.can_pack(torch.randn(8, 16).to(dtype)) == packs
+
+
+def test_a_float16_model_runs_on_any_cpu(model_dirs):
+    """Where oneDNN cannot pack float16 its layers stay on F.linear: the model loads and greedy
+    decoding gives Hugging Face's float16 tokens (the tiny model's margins are wide enough that
+    float16 rounding flips none of these)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 230, 41], [300, 12, 7], list(range(20, 60))]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]), dtype=torch.float16).eval()
+    llm = LLM(str(model_dirs["llama"]), dtype="float16", max_model_len=128)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, output in zip(prompts, outputs):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):]
+        assert list(output.outputs[0].token_ids) == expected.tolist()
+
+
+@pytest.mark.skipif(not cpu_gemm.packs_dtype(torch.bfloat16), reason="oneDNN packs no bfloat16 weight on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
 @torch.inference_mode()
 def test_packed_bf16_forward_matches_plain(model_dirs, monkeypatch):
     packed = build(model_dirs["llama"], torch.bfloat16, max_positions=128)

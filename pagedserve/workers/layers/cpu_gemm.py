@@ -27,12 +27,24 @@ _small_rows: list[int] = []
 def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
         and weight.dim() == 2
         and weight.numel() > 0
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and packs_dtype(weight.dtype)
     )
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU. Its bfloat16 path needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, its float16 path AVX512-FP16 or AVX-NE-CONVERT; elsewhere packing
+    raises, so those layers stay on `F.linear`, slower but correct."""
+    mkldnn = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
+        return False
+    if dtype == torch.bfloat16:
+        return mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return mkldnn._is_mkldnn_fp16_supported()
+    return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
