@@ -4,7 +4,8 @@
 call; packing it at load time (what inductor's weight freezing and vLLM's CPU backend do) saves
 that: measured on SmolLM2-135M's bf16 forward, one thread, 16% of a decode step at 8 rows, 7% at
 64 and nothing at 128 (`benchmarks/cpu_forward.py`). float32 stays on `F.linear` (MKL), whose
-results the exactness tests pin against Hugging Face's.
+results the exactness tests pin against Hugging Face's, and so do the half-precision layers
+where oneDNN cannot pack their dtype (`packs_dtype`).
 
 A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
