@@ -58,7 +58,6 @@ class LLMEngine:
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
             max_num_seqs=config.max_num_seqs,
-            max_model_len=self.model_config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.input_processor = InputProcessor(self.tokenizer, config, self.model_config)

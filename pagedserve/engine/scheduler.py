@@ -34,13 +34,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        max_model_len: int,
         enable_chunked_prefill: bool,
     ):
+        """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens)."""
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

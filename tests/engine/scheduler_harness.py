@@ -23,13 +23,12 @@ def make_scheduler(
     num_blocks: int = 64,
     budget: int = 64,
     max_num_seqs: int = 16,
-    max_model_len: int = 128,
     chunked: bool = True,
     caching: bool = True,
     block_size: int = BS,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, budget, max_num_seqs, max_model_len, chunked)
+    return Scheduler(kv, budget, max_num_seqs, chunked)
 
 
 def make_request(req_id: str, prompt, max_model_len: int = 128, arrival: float = 0.0, **params) -> Request:

@@ -309,7 +309,7 @@ def test_abort_of_a_preempted_request():
 
 def _finish(req_id="a", tokens=(), prompt_len=4, max_model_len=128, **params):
     """Run one request, sampling `tokens` then FILLER, to its end."""
-    sched = make_scheduler(max_model_len=max_model_len)
+    sched = make_scheduler()
     worker = _scripted({req_id: list(tokens)})
     request = make_request(req_id, prompt(0, prompt_len), max_model_len=max_model_len, **params)
     sched.add_request(request)

@@ -64,7 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not chunked:  # without chunking a prompt must fit in one step's budget
             budget = max(budget, MAX_MODEL_LEN)
         self.block_size = block_size
-        self.sched = make_scheduler(num_blocks, budget, max_num_seqs, MAX_MODEL_LEN, chunked, caching, block_size)
+        self.sched = make_scheduler(num_blocks, budget, max_num_seqs, chunked, caching, block_size)
         self.rng = random.Random(seed)  # the fake model's samples
         self.worker = self._new_worker()
         self.prefixes = [[self.rng.choice(VOCAB) for _ in range(PREFIX_LEN)] for _ in range(2)]

@@ -29,7 +29,6 @@ def _config(rng: random.Random) -> dict:
         num_blocks=rng.randint(16, 2 * MAX_MODEL_LEN) // block_size,  # small: requests preempt each other
         budget=rng.randint(3, 40) if chunked else rng.randint(MAX_MODEL_LEN, 64),
         max_num_seqs=rng.randint(1, 8),
-        max_model_len=MAX_MODEL_LEN,
         chunked=chunked,
         caching=rng.random() < 0.75,
     )
