@@ -5,10 +5,15 @@ SIGTERM succeed; its process exits.
 Two replicas of the tiny Llama, the real openai client, greedy and seeded sampling. The sender
 behaves as Kubernetes and `ray stop` do: SIGTERM, then SIGKILL once a grace period is over. The
 grace here is measured in the requests' progress, not in seconds: it ends when the first request
-that was still in flight at the SIGTERM completes (hundreds of tokens later: seconds here,
+that was still in flight at the SIGTERM completes (over a thousand tokens later: seconds here,
 against a drained replica's exit in well under one). Ray alone (old main) keeps a SIGTERMed replica's
 streams running in place until then, so the SIGKILL cuts them; the requests' lengths differ, so
-the replica still has some unfinished then."""
+the replica still has some unfinished then.
+
+The streams must outlast the sender's wait for /metrics to show where they run (replicas report
+every second) by a wide margin on a loaded machine: a replica whose engine core runs in its own
+process generated 400 tokens in about four seconds, and a CI run saw every request end before
+/metrics showed them. So the model is the tiny Llama with 2048 positions, not 512."""
 
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ import requests
 from pagedserve.cluster.node_drain import local_replicas
 from tests.cluster.conftest import deploy, wait_until
 from tests.cluster.openai_requests import ask
+from tests.models import build_model
 
 APP = "sigterm"
+MAX_MODEL_LEN = 2048
 NUM_STREAMS = 8
 NUM_WHOLE = 2  # non-streaming requests in flight beside the streams
 NUM_AFTER = 2  # requests sent right after the SIGTERM (a stream and a whole one)
@@ -37,7 +44,7 @@ PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", 
 def max_tokens(i: int) -> int:
     """Long enough to be mid-stream at the SIGTERM; each request a different length, so the
     replica's requests do not all end in one step. Those sent after the SIGTERM are short."""
-    return 16 if i >= NUM_STREAMS + NUM_WHOLE else 400 + 8 * i
+    return 16 if i >= NUM_STREAMS + NUM_WHOLE else 1600 + 32 * i
 
 
 def sampling(i: int) -> dict:
@@ -128,9 +135,9 @@ class Sender:
         # The chart's preStop hook finds a node's replicas by their process titles: so does it here.
         assert set(pids.values()) <= {process.pid for process in local_replicas()}
         # Both replicas' latest reports show the streams (a report is at most a second old).
-        running = wait_until(
+        running = wait_until(  # polled gently: each scrape is work for the proxy, ingress and hub
             lambda: (r := running_by_replica(self.base_url)) and sum(r.values()) >= NUM_STREAMS and r,
-            timeout=60, what="the streams in /metrics", details=lambda: str(running_by_replica(self.base_url)),
+            timeout=60, interval=0.25, what="the streams in /metrics", details=lambda: str(running_by_replica(self.base_url)),
         )
         busiest = max(running, key=running.get)
         assert running[busiest] >= 2, f"the SIGTERMed replica must hold streams of different lengths: {running}"
@@ -152,17 +159,23 @@ def deploy_replicas(model_dir, num_replicas: int, **engine) -> None:
     """The app with that many LLMServer replicas (a change of the count only scales)."""
     config = {
         "model": str(model_dir), "served_model_name": APP, "graceful_shutdown_s": 2.0,
-        "engine": {"max_model_len": 512, **engine}, "deployment": {"num_replicas": num_replicas},
+        "engine": {"max_model_len": MAX_MODEL_LEN, **engine}, "deployment": {"num_replicas": num_replicas},
     }
     deploy(config, APP, f"/{APP}")
     wait_until(lambda: len(replica_pids()) == num_replicas, timeout=120, what=f"{num_replicas} live replicas")
 
 
 @pytest.fixture(scope="module")
-def sigterm_url(serve_url, model_dirs):
+def long_llama(artifacts, tokenizer_dir):
+    """The tiny Llama's weights (same seed) with MAX_MODEL_LEN positions."""
+    return build_model(artifacts / "llama_long", "llama", tokenizer_dir, max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def sigterm_url(serve_url, long_llama):
     from ray import serve
 
-    deploy_replicas(model_dirs["llama"], 2)
+    deploy_replicas(long_llama, 2)
     yield f"{serve_url}/{APP}"
     serve.delete(APP)
 
@@ -184,14 +197,14 @@ def test_sigterm_mid_stream_hands_streams_over(sigterm_url, undisturbed):
     sigterm_mid_stream(sigterm_url, 2, undisturbed)
 
 
-def test_sigterm_to_the_only_replica_waits_for_its_replacement(sigterm_url, undisturbed, model_dirs):
+def test_sigterm_to_the_only_replica_waits_for_its_replacement(sigterm_url, undisturbed, long_llama):
     """The moved requests wait in the router until Serve's replacement runs; none fails."""
-    deploy_replicas(model_dirs["llama"], 1)
+    deploy_replicas(long_llama, 1)
     sigterm_mid_stream(sigterm_url, 1, undisturbed)
 
 
-def test_sigterm_to_a_replica_whose_engine_core_runs_in_its_own_process(sigterm_url, undisturbed, model_dirs):
+def test_sigterm_to_a_replica_whose_engine_core_runs_in_its_own_process(sigterm_url, undisturbed, long_llama):
     """What `pagedserve serve` runs on a machine of its own: the drain stops the core process too."""
-    deploy_replicas(model_dirs["llama"], 2, engine_core_process=True)
+    deploy_replicas(long_llama, 2, engine_core_process=True)
     sigterm_mid_stream(sigterm_url, 2, undisturbed)
     assert not [p for p in psutil.process_iter(["cmdline"]) if "pagedserve.engine.core.proc" in " ".join(p.info["cmdline"] or []) and p.ppid() == 1]
