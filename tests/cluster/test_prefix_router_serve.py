@@ -95,21 +95,36 @@ def test_a_shared_prefix_stays_on_one_replica_and_outputs_are_unchanged(client, 
 
 
 def test_a_burst_on_one_prefix_spills_over_when_imbalanced(client, base_url):
-    """Long streams that share a prefix arrive together (200 tokens each, so they overlap however
-    fast the engine runs): once the replica holding the prefix runs more than
-    imbalanced_threshold (2) requests beyond the other, the rest go to the other replica."""
+    """Long streams that share a prefix arrive one after another, each while the earlier ones
+    still run (200 tokens each): once the replica holding the prefix runs more than
+    imbalanced_threshold (2) requests beyond the other, the rest go to the other replica.
+
+    Each stream starts once the previous one has text, so the router has counted it (a router
+    counts a request once its replica accepted it). Sent all at once, the eight were chosen in
+    an order that depends on timing, and one full run saw all eight on one replica."""
     before = per_replica(base_url, "pagedserve:prefix_cache_queries_total")
     prompt = "Once upon a time in a land far away, " * 10
     async_client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    async def stream(i: int) -> int:
+    async def stream(i: int, started: asyncio.Event) -> int:
         chunks = await async_client.completions.create(
             model=MODEL, prompt=prompt + str(i), max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
-        return sum([len(chunk.choices[0].text) > 0 async for chunk in chunks if chunk.choices])
+        num_with_text = 0
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].text:
+                num_with_text += 1
+                started.set()
+        started.set()  # none had text: the assertion below says so
+        return num_with_text
 
     async def burst() -> list[int]:
-        return await asyncio.gather(*(stream(i) for i in range(8)))
+        calls = []
+        for i in range(8):
+            started = asyncio.Event()
+            calls.append(asyncio.ensure_future(stream(i, started)))
+            await asyncio.wait_for(started.wait(), timeout=60)
+        return await asyncio.gather(*calls)
 
     assert all(num > 0 for num in asyncio.run(burst()))
     num_prompt_tokens = 8 * len(requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": prompt + "0"}, timeout=30).json()["tokens"])
