@@ -83,14 +83,14 @@ def build_model(folder: Path, name: str, tokenizer_dir: Path, seed: int = 0, **o
 
 class HFReference:
     """Greedy completions from Hugging Face transformers, cached per (prompt, max_tokens). A
-    `.gguf` path is loaded by transformers' own GGUF loader (dequantized to float32)."""
+    `.gguf` path is loaded by transformers' own GGUF loader (dequantized to `dtype`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         where = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
         folder = path.parent if where else path
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **where).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **where).eval()
         self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     @torch.inference_mode()

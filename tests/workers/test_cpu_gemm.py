@@ -14,6 +14,7 @@ from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.workers.models.llama import attention_dims
 from tests.kernels.paged_batch import make_batch
+from tests.models import HFReference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from cpu_forward import build  # noqa: E402  (the model as a CPU worker loads it)
@@ -56,22 +57,17 @@ def test_a_float16_model_runs_on_any_cpu(model_dirs):
     """Where oneDNN cannot pack float16 its layers stay on F.linear: the model loads and greedy
     decoding gives Hugging Face's float16 tokens (the tiny model's margins are wide enough that
     float16 rounding flips none of these)."""
-    from transformers import AutoModelForCausalLM
-
     from pagedserve import LLM, SamplingParams
 
     prompts = [[5, 17, 99, 230, 41], [300, 12, 7], list(range(20, 60))]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]), dtype=torch.float16).eval()
+    hf = HFReference(model_dirs["llama"], torch.float16)
     llm = LLM(str(model_dirs["llama"]), dtype="float16", max_model_len=128)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
     for prompt, output in zip(prompts, outputs):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(prompt):]
-        assert list(output.outputs[0].token_ids) == expected.tolist()
+        assert list(output.outputs[0].token_ids) == hf.greedy(prompt, 8)
 
 
 @pytest.mark.skipif(not cpu_gemm.packs_dtype(torch.bfloat16), reason="oneDNN packs no bfloat16 weight on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
