@@ -96,8 +96,8 @@ def request_router_config(config: ServerConfig) -> dict[str, Any]:
     engine = config.engine_config()
     router = options.resolved_request_router(engine.enable_prefix_caching)
     period = {"request_routing_stats_period_s": options.routing_stats_period_s}
-    if router == "power_of_two":  # Serve's default choice, with the handover (cluster/handover.py)
-        return {**period, "request_router_class": "pagedserve.cluster.handover:PowerOfTwoRouter"}
+    if router == "power_of_two":  # Serve's default choice, with the handover (cluster/handover_router.py)
+        return {**period, "request_router_class": "pagedserve.cluster.handover_router:PowerOfTwoRouter"}
     if not engine.enable_prefix_caching:
         raise ValueError(
             "deployment.request_router=prefix_aware needs engine.enable_prefix_caching=true; "

@@ -35,174 +35,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import logging
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-
-from pagedserve.cluster.llm_server import ErrorInfo, Handover, overloaded
+from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
+from pagedserve.cluster.llm_server import Handover, overloaded
+from pagedserve.cluster.stream_merge import merge_streams
+from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.input_processor import ResumeState
-from pagedserve.engine.request_output import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.engine.request_output import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own replica news
 
-MAX_REMEMBERED_LEAVING = 1024  # leaving replica ids kept (each is unique; a few per redeploy)
 HANDED_OVER = object()  # what `_next_or_leaving` returns when the replica left first
 # For a stream that cannot move (its final item came) or has nowhere to (the app is being deleted).
 STOPPED = overloaded("the engine replica serving this request stopped; retry later")
-
-
-class HandoverRegistry:
-    """Process-local (one per ingress process): which replica serves each watched engine request,
-    and which replicas are leaving. Thread-safe: Serve's router runs on its own event loop."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._replica_of: dict[str, str] = {}  # engine request id -> replica id
-        self._watchers: dict[str, Callable[[], None]] = {}  # engine request id -> called when its replica leaves
-        self._leaving: OrderedDict[str, None] = OrderedDict()  # replica ids, oldest first
-
-    def watch(self, request_id: str, on_leaving: Callable[[], None]) -> None:
-        """`on_leaving` is called (from any thread) once the request's replica is leaving."""
-        with self._lock:
-            self._watchers[request_id] = on_leaving
-
-    def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._watchers.pop(request_id, None)
-            self._replica_of.pop(request_id, None)
-
-    def routed(self, request_id: str, replica_id: str) -> None:
-        with self._lock:
-            if request_id not in self._watchers:
-                return  # not a request this process watches (or already done)
-            self._replica_of[request_id] = replica_id
-            watcher = self._watchers[request_id] if replica_id in self._leaving else None
-        if watcher is not None:  # routed just before its replica left
-            watcher()
-
-    def replica_of(self, request_id: str) -> str | None:
-        with self._lock:
-            return self._replica_of.get(request_id)
-
-    def mark_leaving(self, replica_ids: Iterable[str]) -> None:
-        leaving = set(replica_ids)
-        with self._lock:
-            for replica_id in leaving:
-                self._leaving[replica_id] = None
-            while len(self._leaving) > MAX_REMEMBERED_LEAVING:
-                self._leaving.popitem(last=False)
-            watchers = [self._watchers[r] for r, replica in self._replica_of.items() if replica in leaving and r in self._watchers]
-        for watcher in watchers:
-            watcher()
-
-    def is_leaving(self, replica_id: str) -> bool:
-        with self._lock:
-            return replica_id in self._leaving
-
-
-REGISTRY = HandoverRegistry()
-
-
-def _registry() -> HandoverRegistry:
-    """The process's registry, for the router. Serve pickles a router class's module by value,
-    so the router's copy of this module's globals would be its own: it looks the real module up
-    in the process it runs in (the ingress's, where `ResumingClient` watches the same one)."""
-    return importlib.import_module(__name__).REGISTRY
-
-
-class HandoverMixin:
-    """For a Serve `RequestRouter` of the LLMServer deployment: publishes leaving replicas and
-    where each `generate` call went, and never routes to a replica that is leaving. Put it first
-    among the bases; the router's own hooks run through super()."""
-
-    def update_replicas(self, replicas: list[Any]) -> None:
-        """Replicas removed from the running set, and those whose routing stats say they drain
-        (sent SIGTERM, they stay in the set until their process exits), are leaving."""
-        before = {replica_id.unique_id for replica_id in self._replica_id_set}
-        super().update_replicas(replicas)
-        removed = before - {replica.replica_id.unique_id for replica in replicas}
-        draining = {replica.replica_id.unique_id for replica in replicas if (replica.routing_stats or {}).get("is_draining")}
-        registry = _registry()
-        leaving = {replica_id for replica_id in removed | draining if not registry.is_leaving(replica_id)}
-        if leaving:
-            logger.info("replicas leaving: %s; handing their streams over", sorted(leaving))
-            registry.mark_leaving(leaving)
-
-    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-        super().on_request_routed(pending_request, replica_id, result)
-        if pending_request.metadata.call_method == "generate" and pending_request.args:
-            _registry().routed(str(pending_request.args[0]), replica_id.unique_id)
-
-    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
-        ranks = await super().choose_replicas(candidate_replicas, pending_request)
-        registry = _registry()
-        ranks = [[r for r in rank if not registry.is_leaving(r.replica_id.unique_id)] for rank in ranks]
-        return [rank for rank in ranks if rank]  # none left: the router backs off and asks again
-
-
-class PowerOfTwoRouter(HandoverMixin, PowerOfTwoChoicesRequestRouter):
-    """Serve's default power-of-two-choices router, with handover."""
-
-
-@dataclass
-class _Choice:
-    """What the client has of one choice (one of a request's n samples)."""
-
-    output_token_ids: list[int] = field(default_factory=list)
-    num_sent_chars: int = 0
-    cumulative_logprob: float | None = None
-    is_finished: bool = False
-
-    def record(self, completion: CompletionOutput) -> None:
-        self.output_token_ids += completion.token_ids
-        self.num_sent_chars += len(completion.text)
-        self.cumulative_logprob = completion.cumulative_logprob
-        self.is_finished = self.is_finished or completion.finish_reason is not None
-
-    def resume(self) -> ResumeState:
-        return ResumeState(list(self.output_token_ids), self.num_sent_chars, self.cumulative_logprob)
-
-
-@dataclass
-class _Progress:
-    """What the client has of one engine request so far (DELTA streams), choice by choice."""
-
-    prompt_token_ids: list[int] | None = None  # from the first item
-    choices: dict[int, _Choice] = field(default_factory=dict)  # by choice index
-    num_items: int = 0
-    is_finished: bool = False  # the final item arrived: only the stream's end is left to read
-
-    def record(self, output: RequestOutput) -> None:
-        if self.prompt_token_ids is None:
-            self.prompt_token_ids = list(output.prompt_token_ids)
-        self.num_items += 1
-        for completion in output.outputs:
-            self.choices.setdefault(completion.index, _Choice()).record(completion)
-        self.is_finished = self.is_finished or output.finished
-
-    def can_move(self, params: SamplingParams) -> bool:
-        """Nothing sent yet: start again anywhere. Else only a stream (DELTA outputs) resumes,
-        and not once its final item arrived (a resume would have no tokens left to make)."""
-        if self.is_finished:
-            return False
-        return self.num_items == 0 or params.output_kind == RequestOutputKind.DELTA
-
-    def resume(self) -> ResumeState | None:
-        """The ResumeState of a one-sample request; None: nothing sent, start again."""
-        if self.num_items == 0:
-            return None
-        return self.choices.get(0, _Choice()).resume()
-
-    def unfinished_choices(self, n: int) -> dict[int, _Choice]:
-        """By index, the choices of an n-sample request still to finish (a new one if none came)."""
-        choices = {i: self.choices.get(i) or _Choice() for i in range(n)}
-        return {i: choice for i, choice in choices.items() if not choice.is_finished}
 
 
 class ResumingClient:
@@ -218,10 +66,10 @@ class ResumingClient:
         self.registry = registry
 
     async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, progress: _Progress | None = None
+        self, request_id: str, prompt: Any, params: SamplingParams, progress: StreamProgress | None = None
     ) -> AsyncIterator[Any]:
         """`progress`: what the client already has (a choice of an n > 1 request that moved)."""
-        progress = progress or _Progress()
+        progress = progress or StreamProgress()
         num_attempts = 0
         while True:
             engine_id = request_id if num_attempts == 0 else f"{request_id}~handover{num_attempts}"
@@ -242,14 +90,14 @@ class ResumingClient:
                     yield item
                 return
 
-    async def _choices(self, request_id: str, params: SamplingParams, progress: _Progress) -> AsyncIterator[Any]:
+    async def _choices(self, request_id: str, params: SamplingParams, progress: StreamProgress) -> AsyncIterator[Any]:
         """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
         merged back into the request's outputs (the choice's index, `finished` once all are)."""
         choices = progress.unfinished_choices(params.n)
         prompt = {"prompt_token_ids": progress.prompt_token_ids}
         streams = []
         for index, choice in choices.items():
-            one = _Progress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
+            one = StreamProgress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
             streams.append(self.generate(f"{request_id}-{index}", prompt, params.for_child(index), one))
         num_left = len(choices)
         async for position, item in merge_streams(streams):
@@ -262,7 +110,7 @@ class ResumingClient:
             yield dataclasses.replace(item, request_id=request_id, outputs=outputs, finished=num_left == 0)
 
     async def _attempt(
-        self, engine_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None, progress: _Progress
+        self, engine_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None, progress: StreamProgress
     ) -> AsyncIterator[Any]:
         """One engine request's items, until it ends or (yielding HANDED_OVER) its replica leaves."""
         loop = asyncio.get_running_loop()
@@ -312,43 +160,6 @@ class ResumingClient:
         there, within its grace period. A client that cannot tell says no."""
         check = getattr(self.client, "is_shutting_down", None)
         return bool(check is not None and await check())
-
-
-async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Items of several streams as they come, each with its stream's position in `streams`. An
-    exception in a stream ends the merge with it; closing the merge closes every stream."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(position: int, stream: AsyncIterator[Any]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((position, item))
-            await queue.put((position, done))
-        except Exception as error:  # surfaced by the merge, in its consumer's task
-            await queue.put((position, _Failed(error)))
-
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        num_left = len(tasks)
-        while num_left:
-            position, item = await queue.get()
-            if isinstance(item, _Failed):
-                raise item.error
-            if item is done:
-                num_left -= 1
-            else:
-                yield position, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # each stream's own cleanup runs
-
-
-@dataclass(frozen=True)
-class _Failed:
-    error: Exception
-
 
 async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Future, can_move: Callable[[], bool]) -> Any:
     """The stream's next item (None at its end), or HANDED_OVER if its replica leaves first and

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagedserve.cluster import openai_format as fmt
-from pagedserve.cluster.handover import ResumingClient, merge_streams
+from pagedserve.cluster.handover import ResumingClient
+from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.llm_server import ErrorInfo, Handover
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.engine.engine_core_output import FinishReason

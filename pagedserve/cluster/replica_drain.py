@@ -100,7 +100,7 @@ def end_actor() -> None:
 
 
 def can_resume(params: SamplingParams) -> bool:
-    """A stream the ingress can resume after it has sent text (handover.py's _Progress.can_move):
+    """A stream the ingress can resume after it has sent text (stream_progress.py's StreamProgress.can_move):
     deltas, of one choice or of several (each choice resumes as its own request)."""
     return params.output_kind == RequestOutputKind.DELTA
 

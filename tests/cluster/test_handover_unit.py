@@ -1,5 +1,5 @@
 """handover.py's pieces alone, with fakes (a unit test of each class; the real thing runs in
-test_drain.py and test_drain_sigterm.py): `_Progress` through ResumingClient, and HandoverMixin
+test_drain.py and test_drain_sigterm.py): `StreamProgress` through ResumingClient, and HandoverMixin
 with a replica whose routing stats say it drains."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import uuid
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-from pagedserve.cluster.handover import REGISTRY, HandoverRegistry, PowerOfTwoRouter, ResumingClient
+from pagedserve.cluster.handover import ResumingClient
+from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
+from pagedserve.cluster.handover_router import PowerOfTwoRouter
 from pagedserve.cluster.llm_server import ErrorInfo
 from pagedserve.cluster.prefix_router import PrefixAwareRouter
 from pagedserve.cluster.routing_stats import RoutingStats

@@ -221,7 +221,7 @@ def test_prefix_aware_needs_the_prefix_cache():
     assert routed["request_router_kwargs"]["block_size"] == 8
     assert request_router_config(ServerConfig(model="tiny"))["request_router_class"].endswith("PrefixAwareRouter")
     unprefixed = request_router_config(ServerConfig(model="tiny", engine={"enable_prefix_caching": False}))
-    assert unprefixed["request_router_class"].endswith("handover:PowerOfTwoRouter")
+    assert unprefixed["request_router_class"].endswith("handover_router:PowerOfTwoRouter")
 
 
 def test_a_replica_without_its_block_pool_reports_load_only():
