@@ -175,9 +175,3 @@ async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Fut
     except (asyncio.CancelledError, Exception):  # the cancelled read's own ending
         pass
     return HANDED_OVER
-
-
-def is_stopped_by_serve(error: BaseException) -> bool:
-    """A replica's actor error because Serve's controller ended it (`ray.kill` after the
-    graceful-shutdown period), as opposed to a crash (a killed process, a lost node)."""
-    return "killed by `ray.kill`" in str(error)

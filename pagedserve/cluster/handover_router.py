@@ -7,9 +7,8 @@ import importlib
 import logging
 from typing import Any
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-
 from pagedserve.cluster.handover_registry import HandoverRegistry
+from pagedserve.cluster.ray_internals import PowerOfTwoChoicesRequestRouter
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own replica news
 
@@ -29,7 +28,7 @@ class HandoverMixin:
     def update_replicas(self, replicas: list[Any]) -> None:
         """Replicas removed from the running set, and those whose routing stats say they drain
         (sent SIGTERM, they stay in the set until their process exits), are leaving."""
-        before = {replica_id.unique_id for replica_id in self._replica_id_set}
+        before = {replica_id.unique_id for replica_id in self.curr_replicas}
         super().update_replicas(replicas)
         removed = before - {replica.replica_id.unique_id for replica in replicas}
         draining = {replica.replica_id.unique_id for replica in replicas if (replica.routing_stats or {}).get("is_draining")}

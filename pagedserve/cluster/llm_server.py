@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC
-from pagedserve.cluster.replica_drain import ReplicaDrain, SigtermHook, end_actor
+from pagedserve.cluster.ray_internals import SigtermHook
+from pagedserve.cluster.replica_drain import ReplicaDrain, end_actor
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError

@@ -31,10 +31,10 @@ import random
 from collections import OrderedDict
 from typing import Any, Optional
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.cluster.handover_router import HandoverMixin
+from pagedserve.cluster.ray_internals import PowerOfTwoChoicesRequestRouter
 from pagedserve.cluster.routing_stats import RoutingStats
 from pagedserve.engine.block_pool import extend_block_hashes, routing_key
 

@@ -21,7 +21,7 @@ workers/default_worker.py, checked on a live Serve replica):
   after its own): then the streams end in errors.
 
 So the only code that runs on the main thread at a SIGTERM is Ray's handler, and it looks its
-exit function up in its module's globals when it runs. `SigtermHook.install` puts a function
+exit function up in its module's globals when it runs. `SigtermHook.install` (ray_internals.py) puts a function
 there that hands the SIGTERM to the replica's `ReplicaDrain` instead of raising. If the handler
 installed is not the one described above (another Ray; not a Ray worker) nothing is installed
 and SIGTERM stays Ray's. Once drained, the replica ends its actor as Serve ends a stopped replica,
@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -54,38 +53,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own news
 
-RAY_EXIT_FUNCTION = "raise_sys_exit_with_custom_error_message"  # what Ray's SIGTERM handler calls
-RAY_SIGTERM_MESSAGE = "The process receives a SIGTERM."
 EXIT_GRACE_S = 10.0  # after `ray.kill` of itself: if the process still runs this long, it ends itself
-
-
-class SigtermHook:
-    """Turns SIGTERM in a Ray worker into a call of `on_sigterm` (see the module's note).
-    `on_sigterm` runs on the main thread, inside the signal handler: it must only hand the news
-    over (thread-safe) and return True, or return False to let Ray exit as it would have."""
-
-    def __init__(self, on_sigterm: Callable[[], bool]):
-        self.on_sigterm = on_sigterm
-
-    def install(self) -> bool:
-        """True once SIGTERM reaches `on_sigterm`; False (logged) where Ray's handler is not the
-        one this hook knows, and SIGTERM stays Ray's."""
-        handler = signal.getsignal(signal.SIGTERM)
-        code = getattr(handler, "__code__", None)
-        if code is None or RAY_EXIT_FUNCTION not in code.co_names or RAY_SIGTERM_MESSAGE not in code.co_consts:
-            logger.warning("SIGTERM's handler is not Ray 2.60's worker handler (%r): a SIGTERM stops this replica without a drain", handler)
-            return False
-        namespace = handler.__globals__
-        ray_exit = namespace[RAY_EXIT_FUNCTION]
-
-        def exit_or_drain(message: str, exit_code: int = 0) -> None:
-            if message == RAY_SIGTERM_MESSAGE and self.on_sigterm():
-                return  # the drain began; the actor ends when it is done (`end_actor`)
-            ray_exit(message, exit_code)
-
-        namespace[RAY_EXIT_FUNCTION] = exit_or_drain
-        return True
-
 
 
 def end_actor() -> None:

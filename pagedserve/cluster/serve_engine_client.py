@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
-from pagedserve.cluster.handover import is_stopped_by_serve
 from pagedserve.cluster.llm_server import Handover, overloaded
+from pagedserve.cluster.ray_internals import is_stopped_by_serve, own_internal_request_id
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 APP_STATUS_MAX_AGE_S = 1.0  # how long one look at the app's status answers whether it is being deleted
-
-
-@contextlib.contextmanager
-def _own_internal_request_id() -> Iterator[None]:
-    """Serve gives every handle call made while serving one HTTP request that request's internal
-    id, and its request router files pending calls by it: of several concurrent calls (a
-    completion's prompt list, a resume beside a closing stream) all but one would never be
-    routed, and a router's per-call state would mix them up. Each engine call gets its own."""
-    from ray.serve import context
-    from ray.serve._private.utils import generate_request_id
-
-    current = context._get_serve_request_context()
-    token = context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=generate_request_id()))
-    try:
-        yield
-    finally:
-        context._serve_request_context.reset(token)
 
 
 class ServeEngineClient:
@@ -55,7 +36,7 @@ class ServeEngineClient:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
-        with _own_internal_request_id():
+        with own_internal_request_id():
             responses = self.handle.generate.remote(request_id, prompt, params, resume)
         try:
             async for item in responses:

@@ -1,4 +1,4 @@
-"""ReplicaDrain and SigtermHook (cluster/replica_drain.py) alone, with fake engine streams and a
+"""ReplicaDrain (cluster/replica_drain.py) and SigtermHook (cluster/ray_internals.py) alone, with fake engine streams and a
 stand-in for Ray's SIGTERM handler; a real replica sent SIGTERM is test_drain_sigterm.py."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import signal
 import pytest
 
 from pagedserve.cluster.llm_server import Handover, LLMServer
-from pagedserve.cluster.replica_drain import RAY_SIGTERM_MESSAGE, ReplicaDrain, SigtermHook
+from pagedserve.cluster.ray_internals import RAY_SIGTERM_MESSAGE, SigtermHook
+from pagedserve.cluster.replica_drain import ReplicaDrain
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 HANDOVER = "handover"
