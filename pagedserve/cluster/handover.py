@@ -36,10 +36,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Union
 
 from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
-from pagedserve.cluster.llm_server import Handover, overloaded
+from pagedserve.cluster.stream_items import Handover, StreamItem, overloaded
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.input_processor import ResumeState
@@ -48,9 +49,17 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own replica news
 
-HANDED_OVER = object()  # what `_next_or_leaving` returns when the replica left first
 # For a stream that cannot move (its final item came) or has nowhere to (the app is being deleted).
 STOPPED = overloaded("the engine replica serving this request stopped; retry later")
+
+
+@dataclass(frozen=True)
+class Moved:
+    """An attempt's last item when its replica left first and the request can move on: the
+    client issues it again, elsewhere. It never leaves `ResumingClient`."""
+
+
+AttemptItem = Union[StreamItem, Moved]  # what one attempt (one engine request) yields
 
 
 class ResumingClient:
@@ -67,7 +76,7 @@ class ResumingClient:
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, progress: StreamProgress | None = None
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[StreamItem]:
         """`progress`: what the client already has (a choice of an n > 1 request that moved)."""
         progress = progress or StreamProgress()
         num_attempts = 0
@@ -78,7 +87,7 @@ class ResumingClient:
             num_attempts += 1
             is_moved = False
             async for item in self._attempt(engine_id, prompt_now, params, resume, progress):
-                if item is HANDED_OVER:
+                if isinstance(item, Moved):
                     is_moved = True
                 else:
                     yield item
@@ -90,7 +99,7 @@ class ResumingClient:
                     yield item
                 return
 
-    async def _choices(self, request_id: str, params: SamplingParams, progress: StreamProgress) -> AsyncIterator[Any]:
+    async def _choices(self, request_id: str, params: SamplingParams, progress: StreamProgress) -> AsyncIterator[StreamItem]:
         """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
         merged back into the request's outputs (the choice's index, `finished` once all are)."""
         choices = progress.unfinished_choices(params.n)
@@ -111,8 +120,8 @@ class ResumingClient:
 
     async def _attempt(
         self, engine_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None, progress: StreamProgress
-    ) -> AsyncIterator[Any]:
-        """One engine request's items, until it ends or (yielding HANDED_OVER) its replica leaves."""
+    ) -> AsyncIterator[AttemptItem]:
+        """One engine request's items, until it ends or (yielding Moved) its replica leaves."""
         loop = asyncio.get_running_loop()
         leaving = asyncio.Event()
 
@@ -135,9 +144,9 @@ class ResumingClient:
                     if progress.is_finished:
                         return  # its final item came: the client has it all
                     can_move = progress.can_move(params) and not await self._is_shutting_down()
-                    item = HANDED_OVER if can_move else STOPPED
-                if item is HANDED_OVER:
-                    yield HANDED_OVER
+                    item = Moved() if can_move else STOPPED
+                if isinstance(item, Moved):
+                    yield item
                     return
                 if isinstance(item, RequestOutput):
                     progress.record(item)
@@ -161,8 +170,10 @@ class ResumingClient:
         check = getattr(self.client, "is_shutting_down", None)
         return bool(check is not None and await check())
 
-async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Future, can_move: Callable[[], bool]) -> Any:
-    """The stream's next item (None at its end), or HANDED_OVER if its replica leaves first and
+async def _next_or_leaving(
+    stream: AsyncIterator[StreamItem], leaving_wait: asyncio.Future, can_move: Callable[[], bool]
+) -> AttemptItem | None:
+    """The stream's next item (None at its end), or Moved if its replica leaves first and
     the request can move; the pending read is cancelled then."""
     next_item = asyncio.ensure_future(anext(stream, None))
     waits = {next_item, leaving_wait} if can_move() else {next_item}
@@ -174,4 +185,4 @@ async def _next_or_leaving(stream: AsyncIterator[Any], leaving_wait: asyncio.Fut
         await next_item
     except (asyncio.CancelledError, Exception):  # the cancelled read's own ending
         pass
-    return HANDED_OVER
+    return Moved()

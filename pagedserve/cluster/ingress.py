@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from pagedserve.cluster.http_errors import add_error_handlers
-from pagedserve.cluster.llm_server import ErrorInfo
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.cluster.request_gate import RequestGate
 from pagedserve.cluster.serve_engine_client import ServeEngineClient
+from pagedserve.cluster.stream_items import ErrorInfo
 from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC
 from pagedserve.cluster.ray_internals import SigtermHook
 from pagedserve.cluster.replica_drain import ReplicaDrain, end_actor
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
+from pagedserve.cluster.stream_items import ErrorInfo, Handover, StreamItem, overloaded
 from pagedserve.config import ServerConfig, WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
@@ -33,31 +33,6 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_REPORT_INTERVAL_S = 1.0
-RETRY_AFTER_S = 1  # what an overloaded server tells clients (the Retry-After header)
-
-
-@dataclass
-class ErrorInfo:
-    """A request the engine refused: the ingress maps it onto OpenAI's error shape."""
-
-    status: int
-    message: str
-    type: str = "BadRequestError"
-    param: str | None = None
-    retry_after_s: int | None = None  # an overload: the client may retry after this long
-
-
-@dataclass(frozen=True)
-class Handover:
-    """A stream's last item when its replica stopped serving it (Serve stopped the replica, or
-    it drains after SIGTERM; then also its answer to a new request): the ingress goes on with the
-    request on another replica (cluster/handover.py)."""
-
-    replica_id: str | None = None  # the replica that stopped, when known
-
-
-def overloaded(message: str) -> ErrorInfo:
-    return ErrorInfo(503, message, "ServiceUnavailableError", retry_after_s=RETRY_AFTER_S)
 
 
 class LLMServer:
@@ -88,7 +63,7 @@ class LLMServer:
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
-    ) -> AsyncIterator[RequestOutput | ErrorInfo]:
+    ) -> AsyncIterator[StreamItem]:
         """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}.
         `resume`: what the client already has of a request another replica began (handover.py).
         A draining replica answers with a Handover alone: the ingress goes to another replica."""

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagedserve.cluster import openai_format as fmt
 from pagedserve.cluster.handover import ResumingClient
+from pagedserve.cluster.stream_items import ErrorInfo, StreamItem
 from pagedserve.cluster.stream_merge import merge_streams
-from pagedserve.cluster.llm_server import ErrorInfo, Handover
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
@@ -62,7 +62,7 @@ class RequestLimits:
 class EngineClient(Protocol):
     def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
-    ) -> AsyncIterator[RequestOutput | ErrorInfo | Handover]: ...
+    ) -> AsyncIterator[StreamItem]: ...
 
 
 @dataclass

@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from pagedserve.cluster.llm_server import Handover, overloaded
 from pagedserve.cluster.ray_internals import is_stopped_by_serve, own_internal_request_id
+from pagedserve.cluster.stream_items import Handover, StreamItem, overloaded
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class ServeEngineClient:
             self._deleting, self._deleting_since = asyncio.ensure_future(asyncio.to_thread(_is_app_deleting)), now
         return await asyncio.shield(self._deleting)
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, resume: Any = None) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, resume: Any = None) -> AsyncIterator[StreamItem]:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 

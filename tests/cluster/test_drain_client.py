@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pagedserve.cluster.handover import HandoverRegistry, ResumingClient
-from pagedserve.cluster.llm_server import ErrorInfo, Handover
+from pagedserve.cluster.stream_items import ErrorInfo, Handover
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -13,9 +13,9 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
 from pagedserve.cluster.handover_router import PowerOfTwoRouter
-from pagedserve.cluster.llm_server import ErrorInfo
 from pagedserve.cluster.prefix_router import PrefixAwareRouter
 from pagedserve.cluster.routing_stats import RoutingStats
+from pagedserve.cluster.stream_items import ErrorInfo
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.cluster.test_drain_client import item
 from tests.cluster.test_prefix_router import FakeReplica, pending

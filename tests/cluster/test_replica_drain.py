@@ -9,9 +9,10 @@ import signal
 
 import pytest
 
-from pagedserve.cluster.llm_server import Handover, LLMServer
+from pagedserve.cluster.llm_server import LLMServer
 from pagedserve.cluster.ray_internals import RAY_SIGTERM_MESSAGE, SigtermHook
 from pagedserve.cluster.replica_drain import ReplicaDrain
+from pagedserve.cluster.stream_items import Handover
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 HANDOVER = "handover"
