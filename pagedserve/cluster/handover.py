@@ -45,6 +45,7 @@ from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.request_ids import choice_request_id, handover_request_id
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")  # into the replica's log, beside Serve's own replica news
@@ -81,7 +82,7 @@ class ResumingClient:
         progress = progress or StreamProgress()
         num_attempts = 0
         while True:
-            engine_id = request_id if num_attempts == 0 else f"{request_id}~handover{num_attempts}"
+            engine_id = handover_request_id(request_id, num_attempts)
             resume = progress.resume()
             prompt_now = prompt if resume is None else {"prompt_token_ids": progress.prompt_token_ids}
             num_attempts += 1
@@ -95,7 +96,7 @@ class ResumingClient:
                 return
             logger.info("request %s (n=%d) handed over after %d items", request_id, params.n, progress.num_items)
             if params.n > 1 and progress.num_items > 0:
-                async for item in self._choices(f"{request_id}~handover{num_attempts}", params, progress):
+                async for item in self._choices(handover_request_id(request_id, num_attempts), params, progress):
                     yield item
                 return
 
@@ -107,7 +108,7 @@ class ResumingClient:
         streams = []
         for index, choice in choices.items():
             one = StreamProgress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
-            streams.append(self.generate(f"{request_id}-{index}", prompt, params.for_child(index), one))
+            streams.append(self.generate(choice_request_id(request_id, index), prompt, params.for_child(index), one))
         num_left = len(choices)
         async for position, item in merge_streams(streams):
             if not isinstance(item, RequestOutput):

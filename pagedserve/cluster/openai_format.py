@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from pagedserve.engine.request_output import CompletionOutput, Logprob
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -22,6 +22,7 @@ from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
+from pagedserve.request_ids import new_response_id, prompt_request_id
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -93,7 +94,7 @@ class OpenAIServing:
 
     async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
         params = _sampling_params(request, request.max_tokens, request.logprobs)
-        response_id = fmt.new_id("cmpl")
+        response_id = new_response_id("cmpl")
         try:
             prompts = request.prompts()
         except ValueError as error:
@@ -111,7 +112,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
         params = _sampling_params(request, request.max_output_tokens, request.num_logprobs)
-        response_id = fmt.new_id("chatcmpl")
+        response_id = new_response_id("chatcmpl")
         self.limits.check(1, request.n, request.top_logprobs, "top_logprobs")
         messages = [m.as_template_message() for m in request.messages]
         prompt = {"messages": messages, "add_generation_prompt": request.add_generation_prompt}
@@ -137,7 +138,7 @@ class OpenAIServing:
                 prompts = [await self.renderer.render(prompt) for prompt in prompts]
             except ValueError as error:
                 raise APIError(400, str(error)) from None
-        streams = [self.client.generate(f"{response_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        streams = [self.client.generate(prompt_request_id(response_id, i), prompt, params) for i, prompt in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(stream) for stream in streams))
         except BaseException:
