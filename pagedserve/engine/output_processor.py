@@ -18,11 +18,8 @@ from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.model_runner_output import TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.request_ids import child_request_id
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-
-
-def child_request_id(request_id: str, index: int) -> str:
-    return f"{index}_{request_id}"
 
 
 @dataclass(frozen=True)
