@@ -16,6 +16,15 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+class SamplingParamError(ValueError):
+    """A field of SamplingParams given a value it does not allow; `field` names it (an HTTP 400
+    reports it as the request's `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text and token ids so far
     DELTA = 1  # every output carries only what is new since the last one
@@ -24,7 +33,7 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion(s). Bad values raise `ValueError`."""
+    """How to sample one request's completion(s). Bad values raise `SamplingParamError`."""
 
     n: int = 1
     temperature: float = 1.0
@@ -170,4 +179,4 @@ def _expect(params: SamplingParams, name: str, kind: type, optional: bool = Fals
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"SamplingParams.{name}={value!r} is invalid: allowed is {allowed}")
+    raise SamplingParamError(name, f"SamplingParams.{name}={value!r} is invalid: allowed is {allowed}")

@@ -156,3 +156,12 @@ def test_error_message_format():
     with pytest.raises(ValueError) as info:
         SamplingParams(top_p=1.5)
     assert str(info.value) == "SamplingParams.top_p=1.5 is invalid: allowed is 0 < top_p <= 1"
+
+
+def test_the_error_names_its_field():
+    from pagedserve.sampling_params import SamplingParamError
+
+    for kwargs, field in (({"top_p": 1.5}, "top_p"), ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"n": True}, "n")):
+        with pytest.raises(SamplingParamError) as info:
+            SamplingParams(**kwargs)
+        assert info.value.field == field and str(info.value).startswith(f"SamplingParams.{field}=")

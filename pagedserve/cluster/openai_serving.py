@@ -23,7 +23,7 @@ from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.request_ids import new_response_id, prompt_request_id
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParamError, SamplingParams
 
 
 class APIError(Exception):
@@ -216,10 +216,10 @@ async def _merge(started: list[_Started]) -> AsyncIterator[tuple[int, RequestOut
 def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     try:
         return request.sampling_params(max_tokens, logprobs)
+    except SamplingParamError as error:
+        raise APIError(400, str(error), param=error.field) from None
     except ValueError as error:
-        message = str(error)
-        param = message.split("=")[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
-        raise APIError(400, message, param=param) from None
+        raise APIError(400, str(error)) from None
 
 
 async def _close_all(streams: list[AsyncIterator]) -> None:

@@ -95,3 +95,35 @@ def test_request_limits():
         with pytest.raises(APIError) as info:
             limits.check(*args)
         assert fragment in info.value.message and info.value.param == param and info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"top_p": 1.5}, "top_p", "SamplingParams.top_p=1.5 is invalid: allowed is 0 < top_p <= 1"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "SamplingParams.min_tokens=5 is invalid: allowed is min_tokens <= max_tokens (2)"),
+        ({"stop": [""]}, "stop", "SamplingParams.stop=[''] is invalid: allowed is non-empty strings"),
+    ],
+)
+def test_a_sampling_value_the_engine_refuses_is_a_400_naming_its_field(fields, param, message):
+    """The field comes from the exception SamplingParams raises, not from its message."""
+    from pagedserve.cluster.openai_serving import APIError, _sampling_params
+
+    request = CompletionRequest(model="m", prompt="x", **fields)
+    with pytest.raises(APIError) as info:
+        _sampling_params(request, request.max_tokens, request.logprobs)
+    assert info.value.body() == {"error": {"message": message, "type": "BadRequestError", "code": 400, "param": param}}
+
+
+def test_another_value_error_is_a_400_naming_no_field(monkeypatch):
+    from pagedserve.cluster.openai_serving import APIError, _sampling_params
+
+    request = CompletionRequest(model="m", prompt="x")
+
+    def refuse(*args):
+        raise ValueError("SamplingParams.n=1 looks like a field but is not one")
+
+    monkeypatch.setattr(CompletionRequest, "sampling_params", refuse)
+    with pytest.raises(APIError) as info:
+        _sampling_params(request, None, None)
+    assert info.value.param is None and info.value.status == 400
