@@ -18,6 +18,8 @@ _EXPORTS = {
     "RequestOutput": "pagedserve.engine.request_output",
     "CompletionOutput": "pagedserve.engine.request_output",
     "Logprob": "pagedserve.engine.request_output",
+    "TextPrompt": "pagedserve.inputs",
+    "TokensPrompt": "pagedserve.inputs",
 }
 
 __all__ = list(_EXPORTS)
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestOutput
+    from pagedserve.inputs import TextPrompt, TokensPrompt
     from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 

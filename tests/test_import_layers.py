@@ -36,6 +36,7 @@ TOP_LEVEL_MODULES = {
     "pagedserve.cli_args": ENTRY,  # the CLI's flags, made from the config's fields
     "pagedserve.config": "bottom",  # pydantic models for every knob: describes, resolves nothing
     "pagedserve.sampling_params": "bottom",  # a request's parameters
+    "pagedserve.inputs": "bottom",  # prompts: the typed dicts the engine and the server take
     "pagedserve.request_ids": "bottom",  # the shapes of request ids: the engine's child ids, the cluster's others
     # Starting or joining Ray: the cluster (replica placement) and the workers (the Ray executor)
     # both need it, so it sits below both; it imports nothing of the project.

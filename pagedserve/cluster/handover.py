@@ -45,6 +45,7 @@ from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.inputs import ServerPrompt, tokens_prompt
 from pagedserve.request_ids import choice_request_id, handover_request_id
 from pagedserve.sampling_params import SamplingParams
 
@@ -76,7 +77,7 @@ class ResumingClient:
         self.registry = registry
 
     async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, progress: StreamProgress | None = None
+        self, request_id: str, prompt: ServerPrompt, params: SamplingParams, progress: StreamProgress | None = None
     ) -> AsyncIterator[StreamItem]:
         """`progress`: what the client already has (a choice of an n > 1 request that moved)."""
         progress = progress or StreamProgress()
@@ -84,7 +85,7 @@ class ResumingClient:
         while True:
             engine_id = handover_request_id(request_id, num_attempts)
             resume = progress.resume()
-            prompt_now = prompt if resume is None else {"prompt_token_ids": progress.prompt_token_ids}
+            prompt_now = prompt if resume is None else tokens_prompt(progress.prompt_token_ids)
             num_attempts += 1
             is_moved = False
             async for item in self._attempt(engine_id, prompt_now, params, resume, progress):
@@ -104,7 +105,7 @@ class ResumingClient:
         """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
         merged back into the request's outputs (the choice's index, `finished` once all are)."""
         choices = progress.unfinished_choices(params.n)
-        prompt = {"prompt_token_ids": progress.prompt_token_ids}
+        prompt = tokens_prompt(progress.prompt_token_ids)
         streams = []
         for index, choice in choices.items():
             one = StreamProgress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
@@ -120,7 +121,7 @@ class ResumingClient:
             yield dataclasses.replace(item, request_id=request_id, outputs=outputs, finished=num_left == 0)
 
     async def _attempt(
-        self, engine_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None, progress: StreamProgress
+        self, engine_id: str, prompt: ServerPrompt, params: SamplingParams, resume: ResumeState | None, progress: StreamProgress
     ) -> AsyncIterator[AttemptItem]:
         """One engine request's items, until it ends or (yielding Moved) its replica leaves."""
         loop = asyncio.get_running_loop()

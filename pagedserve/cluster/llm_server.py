@@ -28,6 +28,7 @@ from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.inputs import ServerPrompt, is_chat_prompt
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,16 +63,16 @@ class LLMServer:
         SigtermHook(self.drain.on_sigterm).install()
 
     async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
+        self, request_id: str, prompt: ServerPrompt, params: SamplingParams, resume: ResumeState | None = None
     ) -> AsyncIterator[StreamItem]:
-        """`prompt`: text, {"prompt_token_ids": [...]}, or {"messages": [...], "add_generation_prompt": bool}.
+        """`prompt`: text, a TokensPrompt, or a ChatPrompt (pagedserve/inputs.py).
         `resume`: what the client already has of a request another replica began (handover.py).
         A draining replica answers with a Handover alone: the ingress goes to another replica."""
         if self.drain.is_draining:
             yield self.drain.handover
             return
         try:
-            if isinstance(prompt, dict) and "messages" in prompt:
+            if is_chat_prompt(prompt):
                 prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
             outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:

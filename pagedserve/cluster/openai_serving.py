@@ -22,6 +22,7 @@ from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
+from pagedserve.inputs import ChatPrompt, ServerPrompt
 from pagedserve.request_ids import new_response_id, prompt_request_id
 from pagedserve.sampling_params import SamplingParamError, SamplingParams
 
@@ -62,7 +63,7 @@ class RequestLimits:
 
 class EngineClient(Protocol):
     def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, resume: ResumeState | None = None
+        self, request_id: str, prompt: ServerPrompt, params: SamplingParams, resume: ResumeState | None = None
     ) -> AsyncIterator[StreamItem]: ...
 
 
@@ -75,7 +76,7 @@ class _Started:
 
 
 class PromptRenderer(Protocol):
-    async def render(self, prompt: Any) -> Any: ...
+    async def render(self, prompt: ServerPrompt) -> ServerPrompt: ...
 
 
 class OpenAIServing:
@@ -115,7 +116,7 @@ class OpenAIServing:
         response_id = new_response_id("chatcmpl")
         self.limits.check(1, request.n, request.top_logprobs, "top_logprobs")
         messages = [m.as_template_message() for m in request.messages]
-        prompt = {"messages": messages, "add_generation_prompt": request.add_generation_prompt}
+        prompt = ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt)
         started = await self._start(response_id, [prompt], params)
         num_top = request.top_logprobs or 0
         if request.stream:
@@ -131,7 +132,7 @@ class OpenAIServing:
 
     # ---- engine requests ---------------------------------------------------------------------
 
-    async def _start(self, response_id: str, prompts: list[Any], params: SamplingParams) -> list[_Started]:
+    async def _start(self, response_id: str, prompts: list[ServerPrompt], params: SamplingParams) -> list[_Started]:
         """Send every prompt and wait for each first item; a refusal cancels the others."""
         if self.renderer is not None:
             try:

@@ -37,6 +37,7 @@ from pagedserve.cluster.handover_router import HandoverMixin
 from pagedserve.cluster.ray_internals import PowerOfTwoChoicesRequestRouter
 from pagedserve.cluster.routing_stats import RoutingStats
 from pagedserve.engine.block_pool import extend_block_hashes, routing_key
+from pagedserve.inputs import is_tokens_prompt
 
 # What a table remembers of a replica before its first report names the cache's size.
 DEFAULT_TABLE_CAPACITY = 65_536
@@ -189,14 +190,14 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _num_in_flight(self, replica: RunningReplica) -> int:
         """Serve's count of this router's requests in flight at the replica (0 if unknown)."""
-        return self._replica_queue_len_cache.get(replica.replica_id) or 0
+        return self.replica_queue_len_cache.get(replica.replica_id) or 0
 
     def _routing_keys(self, pending_request: Optional[PendingRequest]) -> list[int] | None:
         """The routing keys of a generate call's prompt blocks; None for other calls."""
         if pending_request is None or pending_request.metadata.call_method != "generate" or len(pending_request.args) < 2:
             return None
         prompt = pending_request.args[1]
-        if not isinstance(prompt, dict) or not isinstance(prompt.get("prompt_token_ids"), list):
+        if not is_tokens_prompt(prompt) or not isinstance(prompt["prompt_token_ids"], list):
             return None
         request_id = pending_request.metadata.internal_request_id
         keys = self._chains.get(request_id)

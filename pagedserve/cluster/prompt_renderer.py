@@ -14,6 +14,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from pagedserve.engine.chat import render_chat
+from pagedserve.inputs import ServerPrompt, is_chat_prompt, is_tokens_prompt, tokens_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +35,17 @@ class PromptRenderer:
         if self._loading is None:
             self._loading = asyncio.create_task(self._load())
 
-    async def render(self, prompt: Any) -> Any:
-        """The engine prompt for text, {"messages": [...], "add_generation_prompt": bool} or
-        token ids: {"prompt": text, "prompt_token_ids": [...]} where the tokenizer is at hand.
+    async def render(self, prompt: ServerPrompt) -> ServerPrompt:
+        """The engine prompt for text or a ChatPrompt, or a TokensPrompt as given: a TokensPrompt
+        with the text beside its ids where the tokenizer is at hand.
         A conversation the chat template rejects raises ValueError."""
         tokenizer = await self._tokenizer()
-        if tokenizer is None or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+        if tokenizer is None or is_tokens_prompt(prompt):
             return prompt
         # Encoding runs on the event loop: one fast tokenizer used from two threads can fail.
         if isinstance(prompt, str):
-            return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
-        if isinstance(prompt, dict) and "messages" in prompt:
+            return tokens_prompt(tokenizer.encode(prompt), prompt)
+        if is_chat_prompt(prompt):
             return render_chat(tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
         return prompt
 

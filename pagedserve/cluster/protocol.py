@@ -9,6 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.inputs import TokensPrompt, tokens_prompt
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -117,16 +118,16 @@ class CompletionRequest(SamplingFields):
             raise ValueError("logit_bias is not supported")
         return self
 
-    def prompts(self) -> list[Union[str, dict]]:
+    def prompts(self) -> list[Union[str, TokensPrompt]]:
         """The request's prompts in the engine's form (texts, or dicts of token ids)."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
         if prompt and all(isinstance(p, int) for p in prompt):
-            return [{"prompt_token_ids": list(prompt)}]
+            return [tokens_prompt(list(prompt))]
         if not prompt:
             raise ValueError("prompt must not be an empty list")
-        return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+        return [p if isinstance(p, str) else tokens_prompt(list(p)) for p in prompt]
 
 
 class TextPart(BaseModel):

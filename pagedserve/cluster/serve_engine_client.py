@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from pagedserve.cluster.ray_internals import is_stopped_by_serve, own_internal_request_id
 from pagedserve.cluster.stream_items import Handover, StreamItem, overloaded
+from pagedserve.inputs import ServerPrompt
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class ServeEngineClient:
             self._deleting, self._deleting_since = asyncio.ensure_future(asyncio.to_thread(_is_app_deleting)), now
         return await asyncio.shield(self._deleting)
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, resume: Any = None) -> AsyncIterator[StreamItem]:
+    async def generate(self, request_id: str, prompt: ServerPrompt, params: SamplingParams, resume: Any = None) -> AsyncIterator[StreamItem]:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 

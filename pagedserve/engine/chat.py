@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.inputs import TokensPrompt
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True) -> dict[str, Any]:
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True) -> TokensPrompt:
     """A prompt dict (text and token ids) for the engine; ValueError if the template rejects it."""
     try:
         text = tokenizer.apply_chat_template(

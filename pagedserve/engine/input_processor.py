@@ -5,13 +5,11 @@ nothing of it reaches the scheduler or a worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.inputs import PromptType
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-
-# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
-PromptType = Union[str, dict]
 
 
 @dataclass(frozen=True)
