@@ -169,7 +169,7 @@ def deploy(args: argparse.Namespace, router: str, num_replicas: int, name: str) 
     from ray import serve
 
     from pagedserve.cluster.app import build_app
-    from pagedserve.config import ServerConfig
+    from pagedserve.cluster.server_config import ServerConfig
 
     engine = {"max_model_len": args.max_model_len, "num_gpu_blocks_override": args.num_kv_blocks, "dtype": "float32"}
     deployment = {"num_replicas": num_replicas, "request_router": router, "num_cpus": 1.0}

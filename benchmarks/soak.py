@@ -344,7 +344,7 @@ def start_server(model_path: str, engine: dict, app_name: str) -> str:
     from ray import serve
 
     from pagedserve.cluster.app import build_app
-    from pagedserve.config import ServerConfig
+    from pagedserve.cluster.server_config import ServerConfig
 
     ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)  # the dashboard serves list_actors
     with socket.socket() as sock:

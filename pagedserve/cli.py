@@ -15,7 +15,8 @@ import json
 import sys
 
 from pagedserve.cli_args import add_model_arguments, given_fields
-from pagedserve.config import DeploymentConfig, EngineConfig, ServerConfig
+from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
+from pagedserve.config import EngineConfig
 
 DEMO_PROMPTS = [
     "Hello, my name is",

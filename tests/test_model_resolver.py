@@ -107,7 +107,7 @@ def test_unknown_model_lists_what_is_accepted(tmp_path):
 
 
 def test_served_model_name_is_the_model_argument_as_given():
-    from pagedserve.config import ServerConfig
+    from pagedserve.cluster.server_config import ServerConfig
 
     assert ServerConfig().model_name == "demo"
     assert ServerConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -39,7 +39,8 @@ def inline_refs(node, defs: dict):
 
 
 def server_properties(existing: dict) -> dict:
-    from pagedserve.config import DeploymentConfig, EngineConfig, ServerConfig
+    from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
+    from pagedserve.config import EngineConfig
 
     properties = field_schemas(ServerConfig, skip=("engine", "deployment"))
     properties.update(OVERRIDES)

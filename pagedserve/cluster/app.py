@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.config import DeploymentConfig, ServerConfig
+from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
 
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.

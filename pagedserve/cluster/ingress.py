@@ -25,8 +25,8 @@ from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.cluster.request_gate import RequestGate
 from pagedserve.cluster.serve_engine_client import ServeEngineClient
+from pagedserve.cluster.server_config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.cluster.stream_items import ErrorInfo
-from pagedserve.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 
 APP_NAME = "pagedserve"
 

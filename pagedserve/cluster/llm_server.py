@@ -20,8 +20,9 @@ from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, 
 from pagedserve.cluster.ray_internals import SigtermHook
 from pagedserve.cluster.replica_drain import ReplicaDrain, end_actor
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
+from pagedserve.cluster.server_config import ServerConfig
 from pagedserve.cluster.stream_items import ErrorInfo, Handover, StreamItem, overloaded
-from pagedserve.config import ServerConfig, WorkerPlacement
+from pagedserve.config import WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
 from pagedserve.engine.chat import render_chat
 from pagedserve.engine.input_processor import ResumeState

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC, EngineLoadPolicy
-from pagedserve.config import AutoscalingConfig, DeploymentConfig, ServerConfig
+from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
 from tests.cluster.conftest import deploy, wait_until
 
 APP = "autoscaly"

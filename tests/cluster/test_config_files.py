@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL_YAML = sorted(CONFIGS.rglob("*.yaml"))

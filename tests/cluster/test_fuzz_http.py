@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy, metric_values, wait_until
 from tests.models import TOKENIZER_VOCAB
 

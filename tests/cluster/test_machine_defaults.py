@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.launcher import machine_defaults
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 
 TWO_CORES = {"CPU": 2.0}
 

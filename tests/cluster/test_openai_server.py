@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy, metric_values, wait_until
 
 MODEL = "tiny-llama"

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy, wait_until
 
 MODEL = "tiny-routed"

@@ -12,7 +12,7 @@ import openai
 import pytest
 import requests
 
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy, wait_until
 
 APP = "crashy"

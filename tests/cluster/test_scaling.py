@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from pagedserve.config import AutoscalingConfig, DeploymentConfig, ServerConfig
+from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
 from tests.cluster.conftest import wait_until
 
 APP = "scaly"

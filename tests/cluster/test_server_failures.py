@@ -16,7 +16,7 @@ import requests
 
 from pagedserve.cli import main
 from pagedserve.cluster.app import build_app
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy
 
 KEY = "sk-test-" + secrets.token_hex(12)  # unique, so a search of the logs means something

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

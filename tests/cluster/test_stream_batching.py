@@ -8,7 +8,7 @@ import threading
 from types import SimpleNamespace
 
 from pagedserve.cluster.llm_server import LLMServer
-from pagedserve.config import ServerConfig
+from pagedserve.cluster.server_config import ServerConfig
 from pagedserve.engine.async_llm import _Stream
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind

@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
-from pagedserve.config import DeploymentConfig, EngineConfig, ServerConfig
+from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
+from pagedserve.config import EngineConfig
 from pagedserve.cluster.app import SCALE_FIELDS, serve_application_config
 from tests.helm.conftest import CHART, CI_VALUES, REPO, one, pod_templates, render, run_helm, serve_config
 

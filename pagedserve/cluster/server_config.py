@@ -1,0 +1,235 @@
+"""`pagedserve serve`'s settings: the server, its LLMServer deployment and its autoscaling, as
+pydantic fields (the YAML file's keys and the command's flags map 1:1 onto them). The engine's own
+knobs are `EngineConfig` (pagedserve/config.py), under `engine:`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pagedserve.config import DEMO_MODEL, MODEL_HELP, EngineConfig, describe_validation_error
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
+
+
+class AutoscalingConfig(BaseModel):
+    """Autoscaling the LLMServer on engine load (cluster/autoscaling.py): replicas are added while
+    requests wait for a batch slot or the KV caches fill up, and removed once the load fits in
+    fewer. The targets are per replica; Serve averages the replicas' reports over
+    `look_back_period_s` and acts once a decision has held for the up/downscale delay."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0: scale to zero when idle).")
+    max_replicas: int = Field(4, ge=1, description="Most replicas; each needs its own CPUs/GPUs.")
+    target_waiting_per_replica: float = Field(
+        2.0, gt=0, description="Requests waiting in an engine's scheduler (or at Serve's handles) per replica before adding one."
+    )
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="Fraction of each replica's KV cache in use to aim for.")
+    target_batch_usage: float = Field(
+        1.0, gt=0, le=1, description="Fraction of each replica's batch slots (max_num_seqs) running to aim for; 1: full batches hold, waiting adds."
+    )
+    upscale_delay_s: float = Field(15.0, ge=0, description="How long the load must ask for more replicas before one is added.")
+    downscale_delay_s: float = Field(300.0, ge=0, description="How long the load must fit in fewer replicas before one is removed.")
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the replicas' load is averaged over.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often each replica reports its load to Serve.")
+
+    @model_validator(mode="after")
+    def _bounds_and_window_are_ordered(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"autoscaling look_back_period_s ({self.look_back_period_s:g}) must be > metrics_interval_s "
+                f"({self.metrics_interval_s:g}): the window must hold more than one report"
+            )
+        return self
+
+    def serve_autoscaling_config(self) -> dict[str, Any]:
+        """Serve's `autoscaling_config` for these settings, with pagedserve's policy."""
+        policy_kwargs = {name: getattr(self, name) for name in ("target_waiting_per_replica", "target_kv_usage", "target_batch_usage")}
+        serve_fields = ("min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s")
+        return {
+            **{name: getattr(self, name) for name in serve_fields},
+            "policy": {"policy_function": AUTOSCALING_POLICY_IMPORT_PATH, "policy_kwargs": policy_kwargs},
+        }
+
+
+# cluster/autoscaling.py's policy (by import path: config.py imports nothing from the cluster layer).
+AUTOSCALING_POLICY_IMPORT_PATH = "pagedserve.cluster.autoscaling:EngineLoadPolicy"
+
+
+class DeploymentConfig(BaseModel):
+    """Ray Serve options of the LLMServer deployment. The replica count (`num_replicas`,
+    `autoscaling`, `autoscaling_config`) is never part of a replica's arguments: changed through
+    Serve's `deployments:` override (cluster/app.py: serve_application_config), it starts or
+    stops only the replicas added or removed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count (without autoscaling).")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Autoscale on engine load (waiting requests, KV-cache and batch usage); replaces num_replicas."
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Serve's own autoscaling config, passed through as given (its default policy scales on requests "
+        "in flight, which says little about an LLM replica's load); replaces num_replicas. Prefer `autoscaling`.",
+    )
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica handles at once.")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests waiting for a replica before 503s; -1: no limit.")
+    num_cpus: float = Field(
+        1.0, gt=0, description="CPUs Ray reserves for each LLMServer replica; a CPU engine in the replica gets as many torch threads."
+    )
+    request_router: Literal["prefix_aware", "power_of_two"] | None = Field(
+        None,
+        description="How requests pick an LLMServer replica: 'prefix_aware' (the replica whose KV cache most likely holds the "
+        "prompt's prefix, unless it is out of balance) or 'power_of_two' (Serve's default). Default: prefix_aware, or "
+        "power_of_two when the engine's prefix cache is off.",
+    )
+    imbalanced_threshold: float = Field(
+        8.0,
+        gt=0,
+        description="prefix_aware: a replica whose load (engine requests running and waiting, or the router's own requests "
+        "running there if more) exceeds the least-loaded replica's by more than this is passed over for the least-loaded one.",
+    )
+    match_rate_threshold: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="prefix_aware: the least fraction of a prompt's full KV blocks a replica must hold for the prompt to "
+        "follow its prefix; below it the request goes to the least-loaded replica.",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="prefix_aware: how often each replica reports its engine load and KV-cache evictions to the routers."
+    )
+
+    def resolved_request_router(self, enable_prefix_caching: bool) -> Literal["prefix_aware", "power_of_two"]:
+        """`request_router`, or its default: prefix_aware wherever there is a prefix cache to aim
+        at. The default does not depend on the replica count, which Serve's `deployments:`
+        override may change without the app's args (and this config) ever seeing it."""
+        if self.request_router is not None:
+            return self.request_router
+        return "prefix_aware" if enable_prefix_caching else "power_of_two"
+
+    @model_validator(mode="after")
+    def _one_way_to_autoscale(self) -> DeploymentConfig:
+        if self.autoscaling is not None and self.autoscaling_config is not None:
+            raise ValueError("set either deployment.autoscaling (on engine load) or deployment.autoscaling_config (Serve's own), not both")
+        return self
+
+    @property
+    def max_num_replicas(self) -> int:
+        """The most replicas this deployment may run (what a local Ray is sized for)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas
+
+    def serve_scaling_options(self) -> dict[str, Any]:
+        """Serve's `num_replicas` or `autoscaling_config` for the LLMServer deployment."""
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.serve_autoscaling_config()}
+        if self.autoscaling_config is not None:
+            return {"autoscaling_config": self.autoscaling_config}
+        return {"num_replicas": self.num_replicas}
+
+
+class ServerConfig(BaseModel):
+    """`pagedserve serve`: the YAML file's keys and the command's flags. Engine arguments go
+    under `engine:` (flags keep their names: --max-model-len sets engine.max_model_len)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEMO_MODEL, description=MODEL_HELP)
+    served_model_name: str | None = Field(None, description="The name clients ask for; default: the model argument as given.")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = Field(
+        None, min_length=1, description="Required as 'Authorization: Bearer KEY' (or PAGEDSERVE_API_KEY, or api_key_file)."
+    )
+    api_key_file: str | None = Field(
+        None, min_length=1, description="A file holding the API key (kept out of command lines and configs); missing or empty: an error."
+    )
+    max_request_body_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="Larger request bodies are refused with 413."
+    )
+    graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="An LLMServer replica that receives SIGTERM hands its streams over to other replicas at once and "
+        "refuses new ones; streams that cannot move (cumulative outputs with text sent) may run this long before they are stopped "
+        "too, and the replica exits. Keep it under the sender's own grace period (Kubernetes: 30 s by default).",
+    )
+    stream_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        description="A stream's tokens that pile up while one chunk is sent go out merged in the next; an idle "
+        "stream's go out at once. >0: also wait this long after each chunk (fewer, larger chunks).",
+    )
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+
+    @model_validator(mode="after")
+    def _engine_arguments_are_valid(self) -> ServerConfig:
+        if "model" in self.engine:
+            raise ValueError("set the model at the top level ('model:'), not under 'engine:'")
+        self.engine_config()  # raises, naming the bad key
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_kwargs(model=self.model, **self.engine)
+
+    def resolve_api_key(self) -> str | None:
+        """The key clients must send: `api_key`, else the contents of `api_key_file`, else
+        PAGEDSERVE_API_KEY in this process's environment; None if none is set. A key file that
+        is missing or empty is an error: a server asked for a key never runs without one."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).expanduser().read_text().strip()
+            except OSError as error:
+                raise ValueError(f"cannot read api_key_file '{self.api_key_file}': {error.strerror or error}") from None
+            if not key:
+                raise ValueError(f"api_key_file '{self.api_key_file}' is empty: it must hold the API key")
+            return key
+        return os.environ.get("PAGEDSERVE_API_KEY") or None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+        """A YAML file's settings with `overrides` (flags) on top; engine and deployment fields may
+        be given flat in the overrides. Raises ValueError naming the bad key."""
+        import yaml
+
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, yaml.YAMLError) as error:
+                raise ValueError(f"cannot read config file {path}: {error}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"config file {path} must hold a mapping of settings")
+        data = {**data, "engine": dict(data.get("engine") or {}), "deployment": dict(data.get("deployment") or {})}
+        for name, value in (overrides or {}).items():
+            if name in EngineConfig.model_fields and name not in cls.model_fields:
+                data["engine"][name] = value
+            elif name in DeploymentConfig.model_fields:
+                data["deployment"][name] = value
+            else:
+                data[name] = value
+        try:
+            return cls(**data)
+        except ValidationError as error:
+            raise ValueError(describe_validation_error(error, "setting")) from None
