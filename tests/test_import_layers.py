@@ -34,7 +34,7 @@ TOP_LEVEL_MODULES = {
     "pagedserve": ENTRY,  # the package: LLM, AsyncLLM, SamplingParams, loaded lazily
     "pagedserve.cli": ENTRY,  # `pagedserve serve | generate`
     "pagedserve.cli_args": ENTRY,  # the CLI's flags, made from the config's fields
-    "pagedserve.config": "bottom",  # pydantic models for every knob: describes, resolves nothing
+    "pagedserve.config": "bottom",  # pydantic models for the engine's knobs: describes, resolves nothing
     "pagedserve.sampling_params": "bottom",  # a request's parameters
     "pagedserve.inputs": "bottom",  # prompts: the typed dicts the engine and the server take
     "pagedserve.request_ids": "bottom",  # the shapes of request ids: the engine's child ids, the cluster's others

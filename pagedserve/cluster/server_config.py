@@ -59,7 +59,7 @@ class AutoscalingConfig(BaseModel):
         }
 
 
-# cluster/autoscaling.py's policy (by import path: config.py imports nothing from the cluster layer).
+# cluster/autoscaling.py's policy, by import path: Serve's controller imports it (this module need not).
 AUTOSCALING_POLICY_IMPORT_PATH = "pagedserve.cluster.autoscaling:EngineLoadPolicy"
 
 
