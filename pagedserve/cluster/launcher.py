@@ -44,7 +44,7 @@ def serve_forever(config: ServerConfig) -> int:
         _print_banner(config)
         stop = stop_signal()
         print(f"pagedserve: {signal.Signals(stop).name} received: draining (up to {config.graceful_shutdown_s:g} s)", flush=True)
-        serve.delete(APP_NAME, _blocking=True)
+        serve.delete(APP_NAME)  # blocks until the app is gone (its default)
         serve.shutdown()
     finally:
         if started_ray:
