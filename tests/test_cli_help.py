@@ -13,3 +13,19 @@ def test_serve_help_lists_the_settings(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "--drain-timeout-s" in text and "--enforce-eager" in text and "about 12%" in text
+
+
+def test_serve_on_a_public_host_without_a_key_refuses_before_anything_starts(capsys, monkeypatch):
+    import pagedserve.cluster.launcher as launcher
+
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    monkeypatch.setattr(launcher, "serve_forever", lambda config: pytest.fail("the server started"))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    error = capsys.readouterr().err
+    assert "host '0.0.0.0' accepts connections from other machines, but no API key is set" in error
+    assert "--api-key-file FILE" in error and "--allow-unauthenticated" in error
+    # Given explicitly, the flag lets it through to the launcher.
+    started = []
+    monkeypatch.setattr(launcher, "serve_forever", lambda config: started.append(config) or 0)
+    assert main(["serve", "--host", "0.0.0.0", "--allow-unauthenticated"]) == 0
+    assert started[0].host == "0.0.0.0" and started[0].allow_unauthenticated

@@ -32,6 +32,9 @@ INGRESS_MAX_SURGE_PERCENT = 100
 
 IMPORT_PATH = "pagedserve.cluster.app:build_app"
 SERVER_DEPLOYMENT = "LLMServer"
+# The Helm chart keeps these two off the head pod by name (its serveConfigV2 `deployments:`).
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+HUB_DEPLOYMENT = "MetricsHub"
 SCALE_FIELDS = ("num_replicas", "autoscaling", "autoscaling_config")  # DeploymentConfig's; see serve_application_config
 
 
@@ -66,7 +69,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))
 
     hub = serve.deployment(
-        MetricsHub, name="MetricsHub", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+        MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
     ).bind()
     # A replica needs no deployment options (Serve applies them), and its arguments must not
     # depend on the deployment's scale.
@@ -74,7 +77,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     server = serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(**server_options).bind(replica_config, hub, worker_bundle_indices)
     ingress = serve.deployment(
         OpenAIIngress,
-        name="OpenAIIngress",
+        name=INGRESS_DEPLOYMENT,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),

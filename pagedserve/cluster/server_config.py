@@ -156,6 +156,9 @@ class ServerConfig(BaseModel):
     api_key_file: str | None = Field(
         None, min_length=1, description="A file holding the API key (kept out of command lines and configs); missing or empty: an error."
     )
+    allow_unauthenticated: bool = Field(
+        False, description="Serve on a host other than loopback with no API key: anyone who reaches the port may send requests."
+    )
     max_request_body_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="Larger request bodies are refused with 413."
     )
@@ -183,6 +186,20 @@ class ServerConfig(BaseModel):
             raise ValueError("set the model at the top level ('model:'), not under 'engine:'")
         self.engine_config()  # raises, naming the bad key
         return self
+
+    @model_validator(mode="after")
+    def _exposed_host_needs_a_key(self) -> ServerConfig:
+        # Checked here so a YAML file and the flags refuse alike, before Ray or a model starts.
+        if is_loopback(self.host) or self.allow_unauthenticated:
+            return self
+        if self.api_key or self.api_key_file or os.environ.get("PAGEDSERVE_API_KEY"):
+            return self
+        raise ValueError(
+            f"host '{self.host}' accepts connections from other machines, but no API key is set: set one with "
+            "--api-key-file FILE (api_key_file: a file holding the key; e.g. openssl rand -hex 24 > FILE), "
+            "--api-key KEY or the PAGEDSERVE_API_KEY environment variable, or serve on 127.0.0.1; "
+            "--allow-unauthenticated (allow_unauthenticated: true) serves without one"
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_kwargs(model=self.model, **self.engine)
@@ -233,3 +250,15 @@ class ServerConfig(BaseModel):
             return cls(**data)
         except ValidationError as error:
             raise ValueError(describe_validation_error(error, "setting")) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to any interface

@@ -10,6 +10,8 @@ which would stop every Ray on the machine)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import secrets
 import signal
@@ -47,6 +49,30 @@ def pod_env(container: dict, secret_data: dict[str, dict[str, str]]) -> dict[str
             ref = item["valueFrom"]["secretKeyRef"]
             env[item["name"]] = secret_data[ref["name"]][ref["key"]]
     return env
+
+
+def secrets_of(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The Secrets a render creates, as `pod_env` takes them: name -> key -> decoded value."""
+    return {
+        doc["metadata"]["name"]: {key: base64.b64decode(value).decode() for key, value in doc.get("data", {}).items()}
+        for doc in docs
+        if doc["kind"] == "Secret"
+    }
+
+
+def group_start_params(rayservice: dict) -> list[dict[str, str]]:
+    """Each group's rayStartParams as KubeRay completes them (head first, as pod_templates): a
+    worker group's `resources` map becomes --resources (its custom resources; KubeRay's
+    updateRayStartParamsResources)."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    params = [dict(cluster["headGroupSpec"]["rayStartParams"])]
+    for group in cluster.get("workerGroupSpecs", []):
+        group_params = dict(group["rayStartParams"])
+        custom = {name: float(value) for name, value in group.get("resources", {}).items()}
+        if custom:
+            group_params["resources"] = json.dumps(custom)
+        params.append(group_params)
+    return params
 
 
 def cpu_limit(container: dict) -> str:
@@ -158,11 +184,13 @@ def _signal(process: psutil.Process, sig: int) -> None:
         pass
 
 
-def new_cluster(rayservice: dict) -> PlayedCluster:
+def new_cluster(rayservice: dict, secret_data: dict[str, dict[str, str]]) -> PlayedCluster:
     # Short: Ray's unix socket paths live under it and are limited to ~107 characters.
     temp_dir = tempfile.mkdtemp(prefix="psk", dir="/tmp")
-    auth_mode = rayservice["spec"]["rayClusterConfig"].get("authOptions", {}).get("mode", "disabled")
-    return PlayedCluster(temp_dir=temp_dir, auth_mode=auth_mode, auth_token=secrets.token_hex(32))
+    auth = rayservice["spec"]["rayClusterConfig"].get("authOptions", {})
+    # authOptions.secretName: KubeRay takes the token from that Secret's auth_token, else makes one.
+    token = secret_data.get(auth.get("secretName", ""), {}).get("auth_token") or secrets.token_hex(32)
+    return PlayedCluster(temp_dir=temp_dir, auth_mode=auth.get("mode", "disabled"), auth_token=token)
 
 
 def wait_for(predicate, timeout: float, what: str, cluster: PlayedCluster, interval: float = 0.5):

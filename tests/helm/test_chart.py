@@ -17,12 +17,12 @@ import yaml
 
 from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
 from pagedserve.config import EngineConfig
-from pagedserve.cluster.app import SCALE_FIELDS, serve_application_config
+from pagedserve.cluster.app import HUB_DEPLOYMENT, INGRESS_DEPLOYMENT, SCALE_FIELDS, serve_application_config
 from tests.helm.conftest import CHART, CI_VALUES, REPO, one, pod_templates, render, run_helm, serve_config
 
 CRD = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
 KUBERNETES_VERSION = "1.35.0"
-CORE_KINDS = {"ConfigMap", "Ingress", "Service", "Secret"}
+CORE_KINDS = {"ConfigMap", "Ingress", "Service", "Secret", "NetworkPolicy"}
 VALUES_IDS = [path.name.removesuffix("-values.yaml") for path in CI_VALUES]
 
 
@@ -102,6 +102,9 @@ def test_serve_config_is_the_server_values(rendered, name):
     # The values, nothing added or lost, with the replica count moved into Serve's `deployments:`
     # override (a scale edit then restarts nothing), exactly as serve_application_config puts it.
     expected = serve_application_config(ServerConfig(**values), "pagedserve")
+    # Plus the ingress and the hub kept off the head (test_chart_security checks where they go).
+    frontend = {"num_cpus": 0, "resources": {"pagedserve_frontend": 1}}
+    expected["deployments"] += [{"name": name, "ray_actor_options": frontend} for name in (INGRESS_DEPLOYMENT, HUB_DEPLOYMENT)]
     assert config["applications"] == [expected]
     assert app.args == {**values, "deployment": {k: v for k, v in values["deployment"].items() if k not in SCALE_FIELDS}}
 
@@ -133,7 +136,7 @@ def test_kuberay_conventions(rendered):
     service = one(rendered["gpu-tp2-pp2"], "RayService")
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == pinned("ray")
-    assert cluster["authOptions"] == {"mode": "token"}
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ps-pagedserve-ray-token"}
     assert service["spec"]["rayClusterDeletionDelaySeconds"] >= ServerConfig().graceful_shutdown_s
     groups = pod_templates(service)
     head_params = groups[0][1]
@@ -174,13 +177,15 @@ def test_api_key_reaches_every_pod_through_its_secret(rendered):
     docs = rendered["apikey-monitoring"]
     for _, _, pod in pod_templates(one(docs, "RayService")):
         env = {item["name"]: item for item in pod["containers"][0]["env"]}
+        env.pop("RAY_AUTH_MODE")  # Ray's own token, test_chart_security
         assert env["PAGEDSERVE_API_KEY"] == {
             "name": "PAGEDSERVE_API_KEY",
             "valueFrom": {"secretKeyRef": {"name": "pagedserve-api-key", "key": "api-key"}},
         }
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
         assert all("value" not in item for item in env.values())
-    assert all(doc["kind"] != "Secret" for doc in docs)
+    # The only Secret the chart writes is the Ray token's: never the API key's.
+    assert [doc["metadata"]["name"] for doc in docs if doc["kind"] == "Secret"] == ["ps-pagedserve-ray-token"]
 
 
 def test_monitoring_scrapes_the_service_once(rendered):

@@ -51,3 +51,16 @@ def test_dockerignore_keeps_what_the_build_copies():
     assert {"pyproject.toml", "constraints.txt", "README.md", "pagedserve"} <= set(copied)
     for name in copied:
         assert not any(fnmatch.fnmatch(name, pattern) for pattern in ignored), name
+
+
+def test_image_has_no_sudo_and_runs_as_the_charts_non_root_user():
+    """Nothing in the build runs sudo, the final stage removes the base image's sudo, and the
+    image's last USER is the numeric non-root uid:gid the chart's podSecurityContext names."""
+    runs = re.findall(r"^RUN ((?:.*\\\n)*.*)$", DOCKERFILE, re.M)
+    # sudo as a command: at the start of a RUN or after a shell separator
+    assert runs and not any(re.search(r"(^|[;&|]\s*)sudo\b", run) for run in runs), runs
+    final = DOCKERFILE.split("FROM base-${VARIANT}", 1)[1]
+    assert "apt-get purge -y sudo" in final
+    assert re.findall(r"^USER (\S+)$", final, re.M)[-1] == "1000:100"
+    context = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]
+    assert (context["runAsUser"], context["runAsGroup"], context["runAsNonRoot"]) == (1000, 100, True)

@@ -17,7 +17,8 @@ import requests
 from pagedserve import LLM, SamplingParams
 from tests.helm.conftest import CHART, notes, one, pod_templates, render, serve_config
 from tests.cluster.conftest import free_port
-from tests.helm.operator import PlayedCluster, new_cluster, pod_env, wait_for
+from pagedserve.cluster.app import HUB_DEPLOYMENT, INGRESS_DEPLOYMENT
+from tests.helm.operator import PlayedCluster, group_start_params, new_cluster, pod_env, secrets_of, wait_for
 
 MODEL_NAME = "tiny-llama"
 SECRET = ("pagedserve-api-key", "api-key")
@@ -43,13 +44,14 @@ def played(helm, model_dirs):
         "apiKey": {"secretName": SECRET[0], "secretKey": SECRET[1]},
     }
     values = [CHART / "ci" / "cpu-values.yaml"]
-    rayservice = one(render(helm, values, settings), "RayService")
+    docs = render(helm, values, settings)
+    rayservice = one(docs, "RayService")
     api_key = secrets.token_urlsafe(24)
-    secret_data = {SECRET[0]: {SECRET[1]: api_key}}
-    cluster = new_cluster(rayservice)
+    secret_data = {SECRET[0]: {SECRET[1]: api_key}, **secrets_of(docs)}  # the Ray token's is the chart's
+    cluster = new_cluster(rayservice, secret_data)
     try:
         groups = pod_templates(rayservice)
-        for index, (_, params, pod) in enumerate(groups):
+        for index, ((_, _, pod), params) in enumerate(zip(groups, group_start_params(rayservice))):
             cluster.start_node(pod, params, pod_env(pod["containers"][0], secret_data), is_head=index == 0)
             if index == 0:
                 wait_for(lambda: cluster.node_count() >= 1, 120, "head node up", cluster)
@@ -80,6 +82,22 @@ def test_dashboard_rest_api_requires_the_cluster_token(played):
     cluster = played.cluster
     response = requests.get(f"{cluster.dashboard_url}/api/serve/applications/", timeout=10)
     assert response.status_code == 401
+    wrong = {"X-Ray-Authorization": "Bearer " + "0" * 64}
+    assert requests.get(f"{cluster.dashboard_url}/api/serve/applications/", headers=wrong, timeout=10).status_code == 403
+
+
+def test_ingress_and_hub_run_on_a_worker_not_the_head(played):
+    """The head pod is small and hosts the GCS: the ingress (tokenizer, request bodies) and the
+    metrics hub run where the chart's worker-only resource is, never beside it."""
+    cluster = played.cluster
+    nodes = requests.get(f"{cluster.dashboard_url}/nodes?view=summary", headers=cluster.auth_headers, timeout=10).json()
+    head_ids = {node["raylet"]["nodeId"] for node in nodes["data"]["summary"] if node["raylet"].get("isHeadNode")}
+    assert len(head_ids) == 1
+    details = requests.get(f"{cluster.dashboard_url}/api/serve/applications/", headers=cluster.auth_headers, timeout=10).json()
+    deployments = details["applications"]["pagedserve"]["deployments"]
+    for name in (INGRESS_DEPLOYMENT, HUB_DEPLOYMENT):
+        nodes_of = [replica["node_id"] for replica in deployments[name]["replicas"]]
+        assert nodes_of and not set(nodes_of) & head_ids, (name, nodes_of, head_ids)
 
 
 def test_chat_completion_with_the_secret_key(played, model_dirs):

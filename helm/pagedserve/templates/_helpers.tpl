@@ -74,6 +74,27 @@ applications:
     deployments:
       - name: LLMServer
         {{- toYaml $scale | nindent 8 }}
+      {{- if .Values.workerGroups }}
+      {{- range list "OpenAIIngress" "MetricsHub" }}
+      - name: {{ . }}
+        ray_actor_options:
+          num_cpus: 0
+          resources: {{ printf "{%q: %s}" (include "pagedserve.frontendResource" $) (include "pagedserve.frontendDemand" $) }}
+      {{- end }}
+      {{- end }}
+{{- end -}}
+
+{{/* The Ray resource that keeps the ingress and the metrics hub off the head: only worker pods
+advertise it (frontendSlots each), and each of the two deployments' replicas takes frontendDemand
+of it. The head pod is small and hosts the GCS: a tokenizer load or a huge prompt in the ingress
+must not run it out of memory. Without worker groups the head runs everything and nothing asks. */}}
+{{- define "pagedserve.frontendResource" -}}pagedserve_frontend{{- end -}}
+{{- define "pagedserve.frontendSlots" -}}1000{{- end -}}
+{{- define "pagedserve.frontendDemand" -}}1{{- end -}}
+
+{{/* The Secret holding the Ray cluster's token (key auth_token): the user's or the chart's. */}}
+{{- define "pagedserve.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "pagedserve.fullname" .) | trunc 63 | trimSuffix "-") .Values.rayAuth.secretName -}}
 {{- end -}}
 
 {{/* The LLMServer's Serve scale options from server.deployment (DeploymentConfig.serve_scaling_options):
@@ -98,6 +119,15 @@ defaults are AutoscalingConfig's (tests/helm checks the two agree). */}}
 
 {{/* Environment of every Ray container: secrets by reference only, never their values. */}}
 {{- define "pagedserve.env" -}}
+{{- if eq .Values.rayAuth.mode "token" }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pagedserve.rayTokenSecretName" . }}
+      key: auth_token
+{{- end }}
 {{- if .Values.apiKey.secretName }}
 - name: PAGEDSERVE_API_KEY
   valueFrom:

@@ -6,6 +6,16 @@
 {{- if $server.api_key -}}
 {{- fail "server.api_key must not be given in plain text: create a Secret and set apiKey.secretName (and apiKey.secretKey); the key reaches the server as PAGEDSERVE_API_KEY" -}}
 {{- end -}}
+{{- $exposed := "" -}}
+{{- if .Values.ingress.enabled -}}{{- $exposed = "ingress.enabled" -}}
+{{- else if has .Values.service.type (list "NodePort" "LoadBalancer") -}}{{- $exposed = printf "service.type %s" .Values.service.type -}}
+{{- end -}}
+{{- if and $exposed (not .Values.apiKey.secretName) -}}
+{{- fail (printf "%s exposes the server outside the cluster, but no API key is set: create a Secret (kubectl create secret generic pagedserve-api-key --from-literal=api-key=$(openssl rand -hex 24)) and set apiKey.secretName=pagedserve-api-key" $exposed) -}}
+{{- end -}}
+{{- if and (ne .Values.rayAuth.mode "token") (not .Values.rayAuth.allowUnauthenticated) -}}
+{{- fail "rayAuth.mode is \"disabled\": anyone who reaches the Ray ports (dashboard 8265, client 10001, GCS 6379) could run code on every pod; keep rayAuth.mode=token, or set rayAuth.allowUnauthenticated=true to accept that" -}}
+{{- end -}}
 {{- if and .Values.model.persistentVolumeClaim .Values.model.hostPath -}}
 {{- fail "model.persistentVolumeClaim and model.hostPath are both set: give one of them" -}}
 {{- end -}}
