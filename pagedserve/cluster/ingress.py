@@ -250,6 +250,13 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def api_key_salt(authorization: str) -> str:
+    """The prefix-cache salt of the key in an 'Authorization: Bearer <key>' header: a digest of
+    its own, so the salt (which travels to the replicas) is not the digest the ingress checks."""
+    _, _, token = authorization.partition(" ")
+    return "api-key:" + hashlib.sha256(b"pagedserve cache salt\0" + token.strip().encode()).hexdigest()
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(
@@ -276,12 +283,12 @@ class OpenAIIngress:
         self.max_request_body_bytes = max_request_body_bytes
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
-    async def completions(self, body: CompletionRequest) -> Response:
-        return _respond(await self._serving(body.model).completions(body))
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return _respond(await self._serving(body.model).completions(body, self.tenant_salt(request)))
 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        return _respond(await self._serving(body.model).chat(body))
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await self._serving(body.model).chat(body, self.tenant_salt(request)))
 
     @app.get("/v1/models")
     async def models(self) -> Response:
@@ -331,6 +338,12 @@ class OpenAIIngress:
         matched = any([hmac.compare_digest(given, digest) for digest in self.key_digests])
         if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+
+    def tenant_salt(self, request: Request) -> str | None:
+        """With API keys in use, the prefix-cache salt of the key the caller sent (a request's own
+        `cache_salt` wins): each key's prompts hit only its own cached blocks, so the time to
+        first token tells no tenant what another sent. Derived apart from the key's digest."""
+        return api_key_salt(request.headers.get("authorization", "")) if self.key_digests else None
 
     def _serving(self, model: str) -> OpenAIServing:
         serving = self.servings.get(model)

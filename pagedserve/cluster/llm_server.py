@@ -96,7 +96,8 @@ class LLMServer:
             return
         try:
             if isinstance(prompt, dict) and "messages" in prompt:
-                prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+                salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
+                prompt = {**render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True)), **salt}
             outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
