@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.handover import is_stopped_by_serve
 from pagedserve.cluster.llm_server import ErrorInfo, Handover, overloaded
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 5.0  # a dead or wedged metrics hub: /metrics answers 503 after this
+# /health and /metrics answer from one call's result for this long: a burst of probes is one
+# call to each replica (or to the hub) a second, not one per probe.
+PROBE_MAX_AGE_S = 1.0
 APP_STATUS_MAX_AGE_S = 1.0  # how long one look at the app's status answers whether it is being deleted
 MAX_REPORTED_PROBLEMS = 5  # validation problems named in one 400
 # Routes that answer without a key: load balancers, Prometheus and schema readers carry none.
@@ -281,6 +286,8 @@ class OpenAIIngress:
         digests = [api_key_sha256, key_digest(own_key) if own_key else None]
         self.key_digests = [bytes.fromhex(digest) for digest in digests if digest]
         self.max_request_body_bytes = max_request_body_bytes
+        self.health_probe = CachedResult(self._all_healthy, PROBE_MAX_AGE_S, HEALTH_TIMEOUT_S)
+        self.metrics_text = CachedResult(self._render_metrics, PROBE_MAX_AGE_S, METRICS_TIMEOUT_S)
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -311,8 +318,7 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> Response:
         try:
-            checks = [handle.is_healthy.remote() for handle in self.servers.values()]
-            healthy = all(await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_S))
+            healthy = await self.health_probe.get()
         except Exception as error:  # a replica that cannot even answer is not healthy
             logger.warning("health check failed: %r", error)
             healthy = False
@@ -322,7 +328,12 @@ class OpenAIIngress:
 
     @app.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON
     async def metrics(self) -> Response:
-        text = await self.metrics_hub.render.remote()
+        try:
+            text = await self.metrics_text.get()
+        except Exception as error:  # the hub is dead, restarting or wedged
+            logger.warning("metrics hub did not answer: %r", error)
+            body = APIError(503, f"the metrics hub did not answer within {self.metrics_text.timeout_s:g} s", "ServiceUnavailableError").body()
+            return JSONResponse(body, status_code=503)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -338,6 +349,13 @@ class OpenAIIngress:
         matched = any([hmac.compare_digest(given, digest) for digest in self.key_digests])
         if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+
+    async def _all_healthy(self) -> bool:
+        checks = [handle.is_healthy.remote() for handle in self.servers.values()]
+        return all(await asyncio.gather(*checks))
+
+    async def _render_metrics(self) -> str:
+        return await self.metrics_hub.render.remote()
 
     def tenant_salt(self, request: Request) -> str | None:
         """With API keys in use, the prefix-cache salt of the key the caller sent (a request's own
