@@ -115,8 +115,7 @@ class RequestGate:
         ingress = serve.get_replica_context().servable_object
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         try:
-            if not scope["path"].endswith(OPEN_PATHS):
-                ingress.authorize(headers.get("authorization", ""))
+            ingress.authorize_path(scope["path"], headers.get("authorization", ""))
             receive = await _bounded_body(receive, headers, ingress.max_request_body_bytes)
         except APIError as error:
             return await _error_response(error)(scope, receive, send)
@@ -271,10 +270,12 @@ class OpenAIIngress:
         limits: dict[str, RequestLimits] | None = None,
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metrics_require_api_key: bool = False,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
-        PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well."""
+        PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well.
+        `metrics_require_api_key`: /metrics needs the key too."""
         limits = limits or {}
         self.servers = servers  # served model name -> LLMServer handle
         self.servings = {
@@ -286,6 +287,7 @@ class OpenAIIngress:
         digests = [api_key_sha256, key_digest(own_key) if own_key else None]
         self.key_digests = [bytes.fromhex(digest) for digest in digests if digest]
         self.max_request_body_bytes = max_request_body_bytes
+        self.open_paths = tuple(p for p in OPEN_PATHS if not (metrics_require_api_key and p == "/metrics"))
         self.health_probe = CachedResult(self._all_healthy, PROBE_MAX_AGE_S, HEALTH_TIMEOUT_S)
         self.metrics_text = CachedResult(self._render_metrics, PROBE_MAX_AGE_S, METRICS_TIMEOUT_S)
 
@@ -337,6 +339,12 @@ class OpenAIIngress:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def authorize_path(self, path: str, header: str) -> None:
+        """Raise a 401 unless `path` is open (OPEN_PATHS; /metrics only without
+        `metrics_require_api_key`) or `header` carries a configured key."""
+        if not path.endswith(self.open_paths):
+            self.authorize(header)
 
     def authorize(self, header: str) -> None:
         """Raise a 401 unless `header` is 'Bearer <key>' for a configured key (RequestGate calls

@@ -1,11 +1,13 @@
 """The metrics hub exports each replica's statistics as its own series, in valid Prometheus text
-rendered by prometheus_client."""
+rendered by prometheus_client; the ingress's /health and /metrics answer from a cached call and
+time out a dead hub."""
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import fields
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.metrics_hub import MetricsHub
@@ -192,3 +194,20 @@ def test_a_dead_metrics_hub_is_a_503_not_a_hang():
     assert b"metrics hub did not answer" in responses[0].body
     live = _ingress({}, _FakeHandle(render=_Method("pagedserve:x 1\n")))
     assert asyncio.run(live.metrics()).body == b"pagedserve:x 1\n"
+
+
+def test_metrics_can_require_the_api_key():
+    """metrics_require_api_key: /metrics is no longer open; /health stays open for probes."""
+    from pagedserve.cluster.ingress import OpenAIIngress, key_digest
+    from pagedserve.cluster.openai_serving import APIError
+
+    user_class = OpenAIIngress.__mro__[1]
+    default = user_class({}, _FakeHandle(), None, key_digest("key"))
+    default.authorize_path("/metrics", "")  # open by default: scrapers usually carry no key
+    strict = user_class({}, _FakeHandle(), None, key_digest("key"), metrics_require_api_key=True)
+    with pytest.raises(APIError, match="invalid or missing API key"):
+        strict.authorize_path("/metrics", "")
+    strict.authorize_path("/metrics", "Bearer key")
+    strict.authorize_path("/health", "")
+    with pytest.raises(APIError):
+        strict.authorize_path("/v1/completions", "Bearer other")
