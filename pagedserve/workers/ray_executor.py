@@ -173,9 +173,10 @@ class RayExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        digest = step_channel.payload_digest(payload)  # hashed once for every rank's MAC
         try:
             for conn in self.connections:
-                step_channel.send_bytes(conn, payload)
+                step_channel.send_bytes(conn, payload, digest)
         except OSError as error:
             raise WorkerGroupError(f"a worker is gone: {error}") from error
         replies = self._collect_replies()

@@ -19,7 +19,9 @@ Each side's MAC is over a nonce the other side chose, so a recorded handshake ca
 After it, both sides hold a session key, HMAC(secret, "session" + nonce_e + nonce_w), and every
 frame is
 
-    length (8 bytes) | sequence number (8 bytes) | HMAC(key, direction + length + seq + payload) | payload
+    length (8 bytes) | sequence number (8 bytes) | HMAC(key, direction + length + seq + SHA256(payload)) | payload
+
+(The MAC covers the payload's SHA-256, so a step sent to every rank is hashed once, not per rank.)
 
 The MAC and the sequence number (0, 1, 2, ... per direction) are checked before the payload is
 unpickled, so a frame injected into an authenticated connection, altered, replayed, reordered or
@@ -119,12 +121,13 @@ class Channel:
     def close(self) -> None:
         self.sock.close()
 
-    def send_bytes(self, payload: bytes) -> None:
+    def send_bytes(self, payload: bytes, digest: bytes | None = None) -> None:
+        """`digest`: payload_digest(payload), when the caller sends one payload to many."""
         if len(payload) > MAX_MESSAGE_BYTES:
             raise ChannelError(f"message of {len(payload)} bytes exceeds the channel's {MAX_MESSAGE_BYTES}-byte limit")
         header = _FRAME.pack(len(payload), self._send_seq)
         self._send_seq += 1
-        self.sock.sendall(header + _frame_mac(self._send_mac, header, payload) + payload)
+        self.sock.sendall(header + _frame_mac(self._send_mac, header, digest or payload_digest(payload)) + payload)
 
     def recv_bytes(self) -> bytearray:
         """The next frame's payload. Raises ChannelClosed if the peer went away, ChannelError
@@ -136,7 +139,7 @@ class Channel:
         if sequence != self._recv_seq:
             self._refuse(f"frame out of order or replayed (sequence {sequence}, expected {self._recv_seq})")
         payload = _recv_exactly(self.sock, size)
-        if not hmac.compare_digest(header[_FRAME.size :], _frame_mac(self._recv_mac, header[: _FRAME.size], payload)):
+        if not hmac.compare_digest(header[_FRAME.size :], _frame_mac(self._recv_mac, header[: _FRAME.size], payload_digest(payload))):
             self._refuse(f"frame {sequence} failed its MAC check (tampered or forged)")
         self._recv_seq += 1
         return payload
@@ -146,10 +149,13 @@ class Channel:
         raise ChannelError(f"step channel closed: {reason}")
 
 
-def _frame_mac(keyed, header: bytes, payload: bytes | bytearray) -> bytes:
+def payload_digest(payload: bytes | bytearray) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def _frame_mac(keyed, header: bytes, digest: bytes) -> bytes:
     mac = keyed.copy()
-    mac.update(header)
-    mac.update(payload)
+    mac.update(header + digest)
     return mac.digest()
 
 
@@ -157,8 +163,8 @@ def send_message(channel: Channel, message: Any) -> None:
     channel.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def send_bytes(channel: Channel, payload: bytes) -> None:
-    channel.send_bytes(payload)
+def send_bytes(channel: Channel, payload: bytes, digest: bytes | None = None) -> None:
+    channel.send_bytes(payload, digest)
 
 
 def recv_message(channel: Channel) -> Any:

@@ -57,6 +57,9 @@ def test_round_trip(channels):
     assert second.is_error and second.error == "rank 1: boom"
     step_channel.send_message(engine, "step 0")  # the other direction keeps its own sequence
     assert step_channel.recv_message(worker) == "step 0"
+    payload = pickle.dumps("step 1")  # one payload for every rank: its digest is computed once
+    step_channel.send_bytes(engine, payload, step_channel.payload_digest(payload))
+    assert step_channel.recv_message(worker) == "step 1"
 
 
 def test_oversized_header_is_rejected_before_allocating(channels, pair):
