@@ -205,6 +205,13 @@ class _Progress:
         return {i: choice for i, choice in choices.items() if not choice.is_finished}
 
 
+def _resumed_prompt(prompt: Any, prompt_token_ids: list[int]) -> dict:
+    """A resumed request's prompt: its token ids, and its tenant's prefix-cache salt (without it,
+    the new replica would cache the tenant's blocks where every unsalted prompt can hit them)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    return {"prompt_token_ids": prompt_token_ids, **({"cache_salt": salt} if salt is not None else {})}
+
+
 class ResumingClient:
     """An EngineClient whose streams survive their replica leaving (see the module's note).
 
@@ -226,7 +233,7 @@ class ResumingClient:
         while True:
             engine_id = request_id if num_attempts == 0 else f"{request_id}~handover{num_attempts}"
             resume = progress.resume()
-            prompt_now = prompt if resume is None else {"prompt_token_ids": progress.prompt_token_ids}
+            prompt_now = prompt if resume is None else _resumed_prompt(prompt, progress.prompt_token_ids)
             num_attempts += 1
             is_moved = False
             async for item in self._attempt(engine_id, prompt_now, params, resume, progress):
@@ -238,15 +245,15 @@ class ResumingClient:
                 return
             logger.info("request %s (n=%d) handed over after %d items", request_id, params.n, progress.num_items)
             if params.n > 1 and progress.num_items > 0:
-                async for item in self._choices(f"{request_id}~handover{num_attempts}", params, progress):
+                async for item in self._choices(f"{request_id}~handover{num_attempts}", prompt, params, progress):
                     yield item
                 return
 
-    async def _choices(self, request_id: str, params: SamplingParams, progress: _Progress) -> AsyncIterator[Any]:
+    async def _choices(self, request_id: str, prompt: Any, params: SamplingParams, progress: _Progress) -> AsyncIterator[Any]:
         """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
         merged back into the request's outputs (the choice's index, `finished` once all are)."""
         choices = progress.unfinished_choices(params.n)
-        prompt = {"prompt_token_ids": progress.prompt_token_ids}
+        prompt = _resumed_prompt(prompt, progress.prompt_token_ids)
         streams = []
         for index, choice in choices.items():
             one = _Progress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
