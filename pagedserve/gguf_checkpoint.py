@@ -9,6 +9,7 @@ rank reads only its own shard of the safetensors, and later starts skip the conv
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -38,8 +39,10 @@ def is_gguf_file(model: str | Path) -> bool:
 
 
 def converted_gguf(path: Path, cache_dir: Path) -> Path:
-    """The Hugging Face folder of a GGUF file, converted on first use (atomically: concurrent
-    builders are safe; the one that finishes second discards its copy)."""
+    """The Hugging Face folder of a GGUF file, converted on first use. The conversion holds the
+    whole model in float32 (about 28 GB for a 7B model), so it runs once per file: the replicas
+    and engines of a node that start together wait on a file lock for the first to finish, then
+    find its folder (which lands by an atomic rename: never half written)."""
     path = path.expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file '{path}' does not exist")
@@ -48,16 +51,26 @@ def converted_gguf(path: Path, cache_dir: Path) -> Path:
         return target
     check_gguf(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
+        if not (target / SOURCE_FILE).is_file():
+            _convert_into(path, target)
+    return target
+
+
+def _convert_into(path: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         convert_gguf(path, staging)
+        shutil.rmtree(target, ignore_errors=True)  # a folder left without SOURCE_FILE is incomplete
         os.replace(staging, target)
-    except OSError:
-        if not (target / SOURCE_FILE).is_file():  # not merely lost a race to another builder
-            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def gguf_file_has_tokenizer(path: Path) -> bool:
+    """Whether a GGUF file carries its tokenizer in its metadata (read without its tensors)."""
+    return _reader(path).fields.get("tokenizer.ggml.tokens") is not None
 
 
 def gguf_has_tokenizer(folder: Path) -> bool:
@@ -101,7 +114,7 @@ def convert_gguf(path: Path, folder: Path) -> None:
     architecture = GGUF_ARCHITECTURES[_field(_reader(path), "general.architecture")]
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     _save_hf_folder(model, architecture, folder)
-    has_tokenizer = _reader(path).fields.get("tokenizer.ggml.tokens") is not None
+    has_tokenizer = gguf_file_has_tokenizer(path)
     if has_tokenizer:
         from transformers import AutoTokenizer
 

@@ -15,6 +15,7 @@ class TextPrompt(TypedDict):
     """Text the engine tokenizes."""
 
     prompt: str
+    cache_salt: NotRequired[str]  # prefix-cache hits only among prompts of the same salt (vLLM's name)
 
 
 class TokensPrompt(TypedDict):
@@ -22,6 +23,7 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]  # the text they came from, when known: outputs report it
+    cache_salt: NotRequired[str]
 
 
 class ChatPrompt(TypedDict):
@@ -30,7 +32,11 @@ class ChatPrompt(TypedDict):
 
     messages: list[dict[str, Any]]
     add_generation_prompt: NotRequired[bool]  # end with the assistant's turn opened (default True)
+    cache_salt: NotRequired[str]
 
+
+# A tenant's salt is mixed into its first block's hash, so tenants never share prefix-cache blocks.
+MAX_CACHE_SALT_CHARS = 1024
 
 PromptType = Union[str, TextPrompt, TokensPrompt]  # what the engine takes (LLM, AsyncLLM)
 ServerPrompt = Union[PromptType, ChatPrompt]  # what an LLMServer replica takes

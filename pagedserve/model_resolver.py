@@ -29,6 +29,8 @@ TINY_MODEL = "tiny"
 BUILT_IN_MODELS = (DEMO_MODEL, TINY_MODEL)
 # The files of a hub snapshot that loading needs: no PyTorch .bin, no other formats' weights.
 HUB_FILE_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+# The files a tokenizer (and its chat template) needs: no weights.
+TOKENIZER_FILE_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # EngineConfig.dtype's names and a checkpoint's torch_dtype strings.
 _DTYPES = {
@@ -44,6 +46,43 @@ _DTYPES = {
 class ResolvedCheckpoint:
     model_path: Path
     tokenizer_path: Path
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where a tokenizer loads from without any weights: a folder, or a GGUF file's metadata
+    (`gguf_file`, a file name inside `folder`)."""
+
+    folder: Path
+    gguf_file: str | None = None
+
+
+def resolve_tokenizer_source(model: str, tokenizer: str | None = None, revision: str | None = None) -> TokenizerSource:
+    """The tokenizer of `model=` (or of `tokenizer=`) for a process that runs no model (the
+    ingress): never a weight download, never a GGUF conversion (which dequantizes the whole model,
+    about 28 GB for a 7B one)."""
+    from pagedserve.gguf_checkpoint import gguf_file_has_tokenizer, is_gguf_file
+
+    name = tokenizer or model
+    if name == DEMO_MODEL:
+        from pagedserve.demo import ensure_demo_gguf
+
+        gguf_path = ensure_demo_gguf()
+        return TokenizerSource(gguf_path.parent, gguf_path.name)
+    if name == TINY_MODEL:
+        from pagedserve.tiny_model import ensure_tiny_model
+
+        return TokenizerSource(ensure_tiny_model())
+    path = Path(name).expanduser()
+    if is_gguf_file(path):
+        path = path.resolve()
+        if not gguf_file_has_tokenizer(path):
+            raise ValueError(
+                f"GGUF file {path} holds no tokenizer (no tokenizer.ggml.* metadata); "
+                "pass tokenizer= a folder or hub id with the model's tokenizer"
+            )
+        return TokenizerSource(path.parent, path.name)
+    return TokenizerSource(resolve_model_path(name, revision, needs_weights=False))
 
 
 def resolve_checkpoint(model: str, tokenizer: str | None = None, revision: str | None = None) -> ResolvedCheckpoint:
@@ -79,7 +118,8 @@ def resolve_model_path(model: str, revision: str | None = None, needs_weights: b
     if path.is_dir():
         return check_checkpoint_folder(path, needs_weights)
     if _HUB_ID.match(model) and not model.startswith((".", "~")):
-        return check_checkpoint_folder(download_from_hub(model, revision), needs_weights)
+        patterns = HUB_FILE_PATTERNS if needs_weights else TOKENIZER_FILE_PATTERNS
+        return check_checkpoint_folder(download_from_hub(model, revision, patterns), needs_weights)
     raise FileNotFoundError(
         f"model '{model}' is neither a local folder, a .gguf file, a model hub id ('org/name') nor a "
         f"built-in model ('{DEMO_MODEL}': SmolLM2-135M-Instruct, '{TINY_MODEL}': a random-weight test model)"
@@ -100,7 +140,7 @@ def check_checkpoint_folder(path: Path, needs_weights: bool = True) -> Path:
     return path
 
 
-def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
+def download_from_hub(repo_id: str, revision: str | None = None, patterns: list[str] = HUB_FILE_PATTERNS) -> Path:
     """The snapshot folder of a hub model: downloaded (HF_TOKEN, HF_HOME, HF_HUB_CACHE honoured)
     or, with HF_HUB_OFFLINE=1, taken from the local hub cache."""
     from huggingface_hub import snapshot_download
@@ -112,7 +152,7 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
             repo_id,
             revision=revision,
             cache_dir=hub_cache_dir(),
-            allow_patterns=HUB_FILE_PATTERNS,
+            allow_patterns=patterns,
             local_files_only=offline,
             token=os.environ.get("HF_TOKEN") or None,
         )

@@ -42,7 +42,7 @@ def test_gguf_of_each_tensor_type_matches_hf(tensor_type, llama_plain, tokenizer
     finally:
         llm.shutdown()
     # Converted once: a second resolution finds the folder without converting again.
-    [folder] = (cache_dir / "gguf").iterdir()
+    [folder] = [entry for entry in (cache_dir / "gguf").iterdir() if not entry.name.startswith(".")]  # not the lock
     assert resolve_model_path(str(path)) == folder
 
 
@@ -113,3 +113,78 @@ def test_served_model_name_is_the_model_argument_as_given():
     assert ServerConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct").model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert ServerConfig(model="/models/x.gguf").model_name == "/models/x.gguf"
     assert ServerConfig(model="/models/x.gguf", served_model_name="small").model_name == "small"
+
+
+def test_concurrent_conversions_of_one_gguf_convert_once(llama_plain, tmp_path, cache_dir, monkeypatch):
+    """Replicas of one node start together: the file lock lets one convert; the others wait and
+    reuse its folder (each conversion holds the whole model in float32)."""
+    import threading
+    import time
+
+    from pagedserve import gguf_checkpoint
+    from pagedserve.config import default_cache_dir
+
+    path = build_gguf(tmp_path / "shared.gguf", llama_plain, "Q8_0")
+    real_convert, conversions = gguf_checkpoint.convert_gguf, []
+
+    def counting_convert(source, folder):
+        conversions.append(source)
+        time.sleep(0.5)  # a wide window: without the lock every thread converts
+        real_convert(source, folder)
+
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", counting_convert)
+    folders = []
+    threads = [threading.Thread(target=lambda: folders.append(gguf_checkpoint.converted_gguf(path, default_cache_dir()))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(conversions) == 1
+    assert len(set(folders)) == 1 and len(folders) == 3
+    assert (folders[0] / gguf_checkpoint.SOURCE_FILE).is_file()
+
+
+def _ingress_tokenizer(spec: dict):
+    import asyncio
+
+    from pagedserve.cluster.prompt_renderer import PromptRenderer
+
+    async def fetch_spec():
+        return spec
+
+    async def render():
+        renderer = PromptRenderer(fetch_spec)
+        return await renderer._tokenizer(), await renderer.render("Hello, my name is")
+
+    return asyncio.run(render())
+
+
+def test_ingress_reads_a_gguf_tokenizer_without_converting_the_weights(smollm2_gguf, smollm2_dir, cache_dir, monkeypatch):
+    """The ingress may sit on a small head pod: it reads the tokenizer from the GGUF metadata and
+    never dequantizes the model."""
+    from pagedserve import gguf_checkpoint
+    from pagedserve.engine.tokenizer import load_tokenizer
+
+    def no_conversion(source, folder):
+        raise AssertionError(f"the ingress converted {source}")
+
+    monkeypatch.setattr(gguf_checkpoint, "convert_gguf", no_conversion)
+    tokenizer, rendered = _ingress_tokenizer({"model": str(smollm2_gguf), "tokenizer": None, "revision": None})
+    assert tokenizer is not None
+    engine_tokenizer = load_tokenizer(str(smollm2_dir))  # the tokenizer the engine uses
+    assert rendered["prompt_token_ids"] == engine_tokenizer.encode("Hello, my name is")
+    assert tokenizer.chat_template == engine_tokenizer.chat_template
+    assert not (cache_dir / "gguf").exists()
+
+
+def test_ingress_takes_only_tokenizer_files_of_a_hub_model(tokenizer_dir, tmp_path, monkeypatch):
+    """A hub snapshot with tokenizer files and no weights is enough for the ingress."""
+    repo = tmp_path / "hf-home" / "hub" / "models--acme--tokenizer-only"
+    shutil.copytree(tokenizer_dir, repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer, rendered = _ingress_tokenizer({"model": "acme/tokenizer-only", "tokenizer": None, "revision": None})
+    assert tokenizer is not None
+    assert rendered["prompt_token_ids"] == tokenizer.encode("Hello, my name is")

@@ -87,7 +87,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     engine = config.engine_config()
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
     digest = key_digest(api_key) if api_key else None
-    return ingress.bind({config.model_name: server}, hub, limits, digest, config.max_request_body_bytes)
+    return ingress.bind({config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, config.metrics_require_api_key)
 
 
 def request_router_config(config: ServerConfig) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.inputs import ServerPrompt, tokens_prompt
+from pagedserve.inputs import ServerPrompt, TokensPrompt, tokens_prompt
 from pagedserve.request_ids import choice_request_id, handover_request_id
 from pagedserve.sampling_params import SamplingParams
 
@@ -62,6 +62,16 @@ class Moved:
 
 
 AttemptItem = Union[StreamItem, Moved]  # what one attempt (one engine request) yields
+
+
+def _resumed_prompt(prompt: ServerPrompt, prompt_token_ids: list[int]) -> TokensPrompt:
+    """A resumed request's prompt: its token ids, and its tenant's prefix-cache salt (without it,
+    the new replica would cache the tenant's blocks where every unsalted prompt can hit them)."""
+    resumed = tokens_prompt(prompt_token_ids)
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None:
+        resumed["cache_salt"] = salt
+    return resumed
 
 
 class ResumingClient:
@@ -85,7 +95,7 @@ class ResumingClient:
         while True:
             engine_id = handover_request_id(request_id, num_attempts)
             resume = progress.resume()
-            prompt_now = prompt if resume is None else tokens_prompt(progress.prompt_token_ids)
+            prompt_now = prompt if resume is None else _resumed_prompt(prompt, progress.prompt_token_ids)
             num_attempts += 1
             is_moved = False
             async for item in self._attempt(engine_id, prompt_now, params, resume, progress):
@@ -97,15 +107,17 @@ class ResumingClient:
                 return
             logger.info("request %s (n=%d) handed over after %d items", request_id, params.n, progress.num_items)
             if params.n > 1 and progress.num_items > 0:
-                async for item in self._choices(handover_request_id(request_id, num_attempts), params, progress):
+                async for item in self._choices(handover_request_id(request_id, num_attempts), prompt, params, progress):
                     yield item
                 return
 
-    async def _choices(self, request_id: str, params: SamplingParams, progress: StreamProgress) -> AsyncIterator[StreamItem]:
+    async def _choices(
+        self, request_id: str, prompt: ServerPrompt, params: SamplingParams, progress: StreamProgress
+    ) -> AsyncIterator[StreamItem]:
         """An n > 1 stream's unfinished choices, each as its own resumed one-sample request,
         merged back into the request's outputs (the choice's index, `finished` once all are)."""
         choices = progress.unfinished_choices(params.n)
-        prompt = tokens_prompt(progress.prompt_token_ids)
+        prompt = _resumed_prompt(prompt, progress.prompt_token_ids)
         streams = []
         for index, choice in choices.items():
             one = StreamProgress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None

@@ -15,15 +15,16 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.http_errors import add_error_handlers
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
-from pagedserve.cluster.request_gate import RequestGate
+from pagedserve.cluster.request_gate import OPEN_PATHS, RequestGate
 from pagedserve.cluster.serve_engine_client import ServeEngineClient
 from pagedserve.cluster.server_config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.cluster.stream_items import ErrorInfo
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 5.0  # a dead or wedged metrics hub: /metrics answers 503 after this
+# /health and /metrics answer from one call's result for this long: a burst of probes is one
+# call to each replica (or to the hub) a second, not one per probe.
+PROBE_MAX_AGE_S = 1.0
 _ERRORS = {"model": ErrorResponse, "description": "An error in OpenAI's shape"}
 # Documented on every route that takes a body ("4XX" also keeps FastAPI from documenting a 422
 # it never sends: validation errors are 400s here, as OpenAI's are).
@@ -74,6 +79,13 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def api_key_salt(authorization: str) -> str:
+    """The prefix-cache salt of the key in an 'Authorization: Bearer <key>' header: a digest of
+    its own, so the salt (which travels to the replicas) is not the digest the ingress checks."""
+    _, _, token = authorization.partition(" ")
+    return "api-key:" + hashlib.sha256(b"pagedserve cache salt\0" + token.strip().encode()).hexdigest()
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(
@@ -83,10 +95,12 @@ class OpenAIIngress:
         limits: dict[str, RequestLimits] | None = None,
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metrics_require_api_key: bool = False,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
-        PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well."""
+        PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well.
+        `metrics_require_api_key`: /metrics needs the key too."""
         limits = limits or {}
         self.servers = servers  # served model name -> LLMServer handle
         self.servings = {
@@ -98,14 +112,17 @@ class OpenAIIngress:
         digests = [api_key_sha256, key_digest(own_key) if own_key else None]
         self.key_digests = [bytes.fromhex(digest) for digest in digests if digest]
         self.max_request_body_bytes = max_request_body_bytes
+        self.open_paths = tuple(p for p in OPEN_PATHS if not (metrics_require_api_key and p == "/metrics"))
+        self.health_probe = CachedResult(self._all_healthy, PROBE_MAX_AGE_S, HEALTH_TIMEOUT_S)
+        self.metrics_text = CachedResult(self._render_metrics, PROBE_MAX_AGE_S, METRICS_TIMEOUT_S)
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
-    async def completions(self, body: CompletionRequest) -> Response:
-        return _respond(await self._serving(body.model).completions(body))
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return _respond(await self._serving(body.model).completions(body, self.tenant_salt(request)))
 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        return _respond(await self._serving(body.model).chat(body))
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await self._serving(body.model).chat(body, self.tenant_salt(request)))
 
     @app.get("/v1/models")
     async def models(self) -> Response:
@@ -128,8 +145,7 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> Response:
         try:
-            checks = [handle.is_healthy.remote() for handle in self.servers.values()]
-            healthy = all(await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_S))
+            healthy = await self.health_probe.get()
         except Exception as error:  # a replica that cannot even answer is not healthy
             logger.warning("health check failed: %r", error)
             healthy = False
@@ -139,10 +155,21 @@ class OpenAIIngress:
 
     @app.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON
     async def metrics(self) -> Response:
-        text = await self.metrics_hub.render.remote()
+        try:
+            text = await self.metrics_text.get()
+        except Exception as error:  # the hub is dead, restarting or wedged
+            logger.warning("metrics hub did not answer: %r", error)
+            body = APIError(503, f"the metrics hub did not answer within {self.metrics_text.timeout_s:g} s", "ServiceUnavailableError").body()
+            return JSONResponse(body, status_code=503)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def authorize_path(self, path: str, header: str) -> None:
+        """Raise a 401 unless `path` is open (OPEN_PATHS; /metrics only without
+        `metrics_require_api_key`) or `header` carries a configured key."""
+        if not path.endswith(self.open_paths):
+            self.authorize(header)
 
     def authorize(self, header: str) -> None:
         """Raise a 401 unless `header` is 'Bearer <key>' for a configured key (RequestGate calls
@@ -155,6 +182,19 @@ class OpenAIIngress:
         matched = any([hmac.compare_digest(given, digest) for digest in self.key_digests])
         if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+
+    async def _all_healthy(self) -> bool:
+        checks = [handle.is_healthy.remote() for handle in self.servers.values()]
+        return all(await asyncio.gather(*checks))
+
+    async def _render_metrics(self) -> str:
+        return await self.metrics_hub.render.remote()
+
+    def tenant_salt(self, request: Request) -> str | None:
+        """With API keys in use, the prefix-cache salt of the key the caller sent (a request's own
+        `cache_salt` wins): each key's prompts hit only its own cached blocks, so the time to
+        first token tells no tenant what another sent. Derived apart from the key's digest."""
+        return api_key_salt(request.headers.get("authorization", "")) if self.key_digests else None
 
     def _serving(self, model: str) -> OpenAIServing:
         serving = self.servings.get(model)

@@ -74,7 +74,8 @@ class LLMServer:
             return
         try:
             if is_chat_prompt(prompt):
-                prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+                salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
+                prompt = {**render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True)), **salt}
             outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)

@@ -93,7 +93,8 @@ class OpenAIServing:
 
     # ---- endpoints -------------------------------------------------------------------------
 
-    async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def completions(self, request: CompletionRequest, tenant_salt: str | None = None) -> dict | AsyncIterator[str]:
+        """`tenant_salt`: the caller's prefix-cache salt when the body gives no `cache_salt`."""
         params = _sampling_params(request, request.max_tokens, request.logprobs)
         response_id = new_response_id("cmpl")
         try:
@@ -101,7 +102,7 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         self.limits.check(len(prompts), request.n, request.logprobs, "logprobs")
-        started = await self._start(response_id, prompts, params)
+        started = await self._start(response_id, prompts, params, request.cache_salt or tenant_salt)
         num_top = request.logprobs or 0
 
         def choice(index: int, completion: CompletionOutput, first: bool) -> dict:
@@ -111,13 +112,13 @@ class OpenAIServing:
             return self._events("text_completion", response_id, request, started, choice)
         return await self._final("text_completion", response_id, request.n, started, choice)
 
-    async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def chat(self, request: ChatCompletionRequest, tenant_salt: str | None = None) -> dict | AsyncIterator[str]:
         params = _sampling_params(request, request.max_output_tokens, request.num_logprobs)
         response_id = new_response_id("chatcmpl")
         self.limits.check(1, request.n, request.top_logprobs, "top_logprobs")
         messages = [m.as_template_message() for m in request.messages]
         prompt = ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt)
-        started = await self._start(response_id, [prompt], params)
+        started = await self._start(response_id, [prompt], params, request.cache_salt or tenant_salt)
         num_top = request.top_logprobs or 0
         if request.stream:
             def chunk_choice(index: int, completion: CompletionOutput, first: bool) -> dict:
@@ -132,13 +133,16 @@ class OpenAIServing:
 
     # ---- engine requests ---------------------------------------------------------------------
 
-    async def _start(self, response_id: str, prompts: list[ServerPrompt], params: SamplingParams) -> list[_Started]:
+    async def _start(
+        self, response_id: str, prompts: list[ServerPrompt], params: SamplingParams, cache_salt: str | None = None
+    ) -> list[_Started]:
         """Send every prompt and wait for each first item; a refusal cancels the others."""
         if self.renderer is not None:
             try:
                 prompts = [await self.renderer.render(prompt) for prompt in prompts]
             except ValueError as error:
                 raise APIError(400, str(error)) from None
+        prompts = [_salted(prompt, cache_salt) for prompt in prompts]
         streams = [self.client.generate(prompt_request_id(response_id, i), prompt, params) for i, prompt in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(stream) for stream in streams))
@@ -212,6 +216,13 @@ async def _merge(started: list[_Started]) -> AsyncIterator[tuple[int, RequestOut
 
     async for index, output in merge_streams([whole(item) for item in started]):
         yield index, output
+
+
+def _salted(prompt: Any, cache_salt: str | None) -> Any:
+    """The prompt with its prefix-cache salt (the router and the engine both read it there)."""
+    if cache_salt is None:
+        return prompt
+    return {"prompt": prompt, "cache_salt": cache_salt} if isinstance(prompt, str) else {**prompt, "cache_salt": cache_salt}
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -202,7 +202,10 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         keys = self._chains.get(request_id)
         if keys is None:
-            keys = [routing_key(h) for h in extend_block_hashes([], prompt["prompt_token_ids"], self.block_size)]
+            # The engine's chain, salted as the engine salts it: a tenant's prompt finds only the
+            # blocks of its own tenant.
+            salt = prompt.get("cache_salt") if isinstance(prompt.get("cache_salt"), str) else None
+            keys = [routing_key(h) for h in extend_block_hashes([], prompt["prompt_token_ids"], self.block_size, salt)]
             self._chains[request_id] = keys
             while len(self._chains) > MAX_CACHED_CHAINS:
                 self._chains.popitem(last=False)

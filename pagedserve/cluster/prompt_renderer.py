@@ -2,9 +2,10 @@
 router sees a call's arguments, and the prefix-aware router needs the prompt's tokens (and
 resumed requests are token ids too). Chat messages go through the model's chat template here.
 
-The ingress loads the engine's tokenizer itself, once, from the folder model_resolver resolves
-for the engine's `model` / `tokenizer` / `revision` (asked of an LLMServer replica when the
-ingress starts, so the ingress's arguments do not change).
+The ingress loads the engine's tokenizer itself, once, and only the tokenizer (no weights, no GGUF
+conversion: model_resolver.resolve_tokenizer_source) for the engine's `model` / `tokenizer` /
+`revision` (asked of an LLMServer replica when the ingress starts, so the ingress's arguments do
+not change).
 """
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ class PromptRenderer:
         """The tokenizer, or None (prompts then go as given and the replica tokenizes them:
         the service keeps working, routed by power of two)."""
         from pagedserve.engine.tokenizer import load_tokenizer
-        from pagedserve.model_resolver import resolve_checkpoint
+        from pagedserve.model_resolver import resolve_tokenizer_source
 
         try:
             spec = await self.fetch_spec()
-            checkpoint = await asyncio.to_thread(resolve_checkpoint, spec["model"], spec.get("tokenizer"), spec.get("revision"))
-            return await asyncio.to_thread(load_tokenizer, str(checkpoint.tokenizer_path))
+            # The tokenizer only: a GGUF file's from its metadata, a hub model's tokenizer files.
+            # Converting the checkpoint here would dequantize the whole model in the ingress.
+            source = await asyncio.to_thread(resolve_tokenizer_source, spec["model"], spec.get("tokenizer"), spec.get("revision"))
+            return await asyncio.to_thread(load_tokenizer, str(source.folder), source.gguf_file)
         except Exception:
             logger.warning("cannot load the tokenizer in the ingress; replicas will tokenize", exc_info=True)
             return None

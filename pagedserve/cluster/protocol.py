@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedserve.inputs import TokensPrompt, tokens_prompt
+from pagedserve.inputs import MAX_CACHE_SALT_CHARS, TokensPrompt, tokens_prompt
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -47,6 +47,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
     # vLLM extras
+    # Prefix-cache hits only among requests with the same salt (default: the API key's digest).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

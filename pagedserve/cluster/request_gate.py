@@ -27,8 +27,7 @@ class RequestGate:
         ingress = serve.get_replica_context().servable_object
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         try:
-            if not scope["path"].endswith(OPEN_PATHS):
-                ingress.authorize(headers.get("authorization", ""))
+            ingress.authorize_path(scope["path"], headers.get("authorization", ""))
             receive = await _bounded_body(receive, headers, ingress.max_request_body_bytes)
         except APIError as error:
             return await error_response(error)(scope, receive, send)

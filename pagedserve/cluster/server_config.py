@@ -162,6 +162,9 @@ class ServerConfig(BaseModel):
     max_request_body_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="Larger request bodies are refused with 413."
     )
+    metrics_require_api_key: bool = Field(
+        False, description="GET /metrics needs the API key too (default: open, as Prometheus scrapers usually carry none)."
+    )
     graceful_shutdown_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish after SIGTERM.")
     drain_timeout_s: float = Field(
         20.0,

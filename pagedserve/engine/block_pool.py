@@ -1,7 +1,7 @@
 """The KV cache's blocks: reference counts, chained prefix hashes, and LRU reuse.
 
 A full block is named by `hash(parent block's hash, its token ids)`, so equal prefixes name equal
-blocks. A block whose last user frees it keeps its hash and its K/V: it goes to the back of the
+blocks (the first block's parent is the request's cache salt, if any). A block whose last user frees it keeps its hash and its K/V: it goes to the back of the
 free queue, where it can still be found by hash and revived, until allocation reaches it at the
 front and evicts it (least recently freed first).
 """
@@ -28,15 +28,27 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
     """Extend `hashes` (the chain of the leading full blocks of `token_ids`, maybe empty) over
     every further full block, and return it. The engine names its cached blocks with this chain
     and the prefix-aware router computes it from a prompt's token ids, so equal chains mean
-    blocks that can be in the cache."""
+    blocks that can be in the cache. A `cache_salt` (a tenant's) is the first block's parent, so
+    the whole chain differs per salt: one tenant's prompts never hit another's blocks, and the
+    time to first token reveals nothing of what another tenant sent."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         start = len(hashes) * block_size
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        parent = hashes[-1] if hashes else salt_root(cache_salt)
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
     return hashes
+
+
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The first block's parent for a salt (None: unsalted, the parent is empty)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
 
 
 def routing_key(block_hash: BlockHash) -> int:

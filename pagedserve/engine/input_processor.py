@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.inputs import PromptType
+from pagedserve.inputs import MAX_CACHE_SALT_CHARS, PromptType
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -29,6 +29,7 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     resume: ResumeState | None = None  # set for a request handed over from another replica
+    cache_salt: str | None = None  # the tenant's: its prompts share cached blocks only with each other
 
 
 class InputProcessor:
@@ -54,13 +55,14 @@ class InputProcessor:
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unknown prompt keys {sorted(unknown)}; allowed: 'prompt' or 'prompt_token_ids'")
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; allowed: 'prompt' or 'prompt_token_ids', and 'cache_salt'")
+            salt = _cache_salt(prompt.get("cache_salt"))
             if "prompt_token_ids" in prompt:
-                return ProcessedPrompt(prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]))
+                return ProcessedPrompt(prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), cache_salt=salt)
             if isinstance(prompt.get("prompt"), str):
-                return ProcessedPrompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]))
+                return ProcessedPrompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), cache_salt=salt)
         raise ValueError(
             f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; got {type(prompt).__name__}"
         )
@@ -110,3 +112,11 @@ class InputProcessor:
             raise ValueError(f"the prompt and the {len(token_ids)} resumed outputs reach max_model_len={max_len}: nothing is left to generate")
         if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
             raise ValueError(f"{len(token_ids)} resumed outputs reach max_tokens={params.max_tokens}: nothing is left to generate")
+
+
+def _cache_salt(salt: Any) -> str | None:
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt

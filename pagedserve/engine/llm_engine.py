@@ -107,7 +107,7 @@ class LLMEngine:
         for child_id, child_params in children:
             request = Request(
                 child_id, processed.prompt_token_ids, child_params, self.eos_token_ids, self.model_config.max_model_len, arrival_time,
-                resume.output_token_ids if resume is not None else (),
+                resume.output_token_ids if resume is not None else (), processed.cache_salt,
             )
             self.scheduler.add_request(request)
 

@@ -57,6 +57,7 @@ class Request:
         max_model_len: int,
         arrival_time: float | None = None,
         resumed_output_token_ids: list[int] = (),
+        cache_salt: str | None = None,
     ):
         """`resumed_output_token_ids`: outputs another replica generated before it handed the
         request over; they count as outputs (max_tokens, penalties, seeds), and the prefill
@@ -84,6 +85,9 @@ class Request:
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].
         self.num_tokens_on_workers = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, filled lazily
+        # The tenant's salt, mixed into the first block's hash: prefix-cache hits stay within a
+        # tenant (None: shared with every unsalted request).
+        self.cache_salt = cache_salt
 
     @property
     def num_tokens(self) -> int:

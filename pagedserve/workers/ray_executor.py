@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import pickle
 import selectors
-import socket
 import time
 from typing import Any
 
@@ -54,7 +53,7 @@ class RayExecutor(Executor):
         self.workers: list[Any] = []
         self.pids: list[int] = []
         self.loop_refs: list[Any] = []
-        self.connections: list[socket.socket] = []
+        self.connections: list[step_channel.Channel] = []
         self.owns_placement_group = placement is None
         self.placement_group = placement.placement_group if placement is not None else None
         self.bundle_indices = placement.bundle_indices if placement is not None else tuple(range(self.world_size))
@@ -145,8 +144,11 @@ class RayExecutor(Executor):
             port = server.getsockname()[1]
             self.loop_refs = [w.serve_steps.remote(host, port, secret) for w in self.workers]
             try:
+                # Only the group's own nodes may connect (the ranks connect from the address Ray
+                # knows their node by; from the loopback address when all share this node).
                 self.connections = step_channel.accept_ranks(
-                    server, secret, self.world_size, STEP_CHANNEL_CONNECT_TIMEOUT_S, self._raise_if_workers_died
+                    server, secret, self.world_size, STEP_CHANNEL_CONNECT_TIMEOUT_S, self._raise_if_workers_died,
+                    allowed_ips={LOOPBACK} if is_local else set(self.node_ips),
                 )
             except step_channel.ChannelError as error:
                 self._raise_if_workers_died()
@@ -171,9 +173,10 @@ class RayExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        digest = step_channel.payload_digest(payload)  # hashed once for every rank's MAC
         try:
             for conn in self.connections:
-                step_channel.send_bytes(conn, payload)
+                step_channel.send_bytes(conn, payload, digest)
         except OSError as error:
             raise WorkerGroupError(f"a worker is gone: {error}") from error
         replies = self._collect_replies()

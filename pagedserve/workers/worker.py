@@ -92,18 +92,18 @@ class Worker:
         run steps until it closes the connection. Each step gets a `StepReply`."""
         sock = step_channel.connect(host, port, timeout=step_channel.HANDSHAKE_TIMEOUT_S)
         try:
-            step_channel.authenticate_engine(sock, secret, self.rank)
-            sock.settimeout(None)  # idle between steps for as long as the engine likes
+            channel = step_channel.authenticate_engine(sock, secret, self.rank)
+            channel.settimeout(None)  # idle between steps for as long as the engine likes
             while True:
                 try:
-                    scheduler_output = step_channel.recv_message(sock)
+                    scheduler_output = step_channel.recv_message(channel)
                 except step_channel.ChannelClosed:
                     return
                 try:
                     reply = step_channel.StepReply(output=self.execute_model(scheduler_output))
                 except Exception:
                     reply = step_channel.StepReply(error=f"rank {self.rank}: {traceback.format_exc()}")
-                step_channel.send_message(sock, reply)
+                step_channel.send_message(channel, reply)
         finally:
             sock.close()
 

@@ -90,3 +90,36 @@ def test_a_draining_replica_is_leaving_and_never_chosen(router_class):
     finally:
         REGISTRY.forget(f"req-{suffix}")
         loop.close()
+
+
+class HandsOverOnce:
+    """A replica that sends one item and then hands the stream over; the next one finishes it."""
+
+    def __init__(self):
+        self.prompts: list = []
+
+    async def generate(self, request_id, prompt, params, resume=None):
+        from pagedserve.cluster.stream_items import Handover
+
+        self.prompts.append(prompt)
+        if len(self.prompts) == 1:
+            yield item("Hel", [1])
+            yield Handover()
+            return
+        yield item("lo", [2], finished=True)
+
+
+def test_a_resumed_stream_keeps_its_tenants_cache_salt():
+    """The resumed request goes as token ids, with the salt: unsalted, the new replica would
+    cache the tenant's prompt where any unsalted prompt hits it."""
+    engines = HandsOverOnce()
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
+    client = ResumingClient(engines, HandoverRegistry())
+
+    async def collect():
+        prompt = {"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-a"}
+        return [x async for x in client.generate("req", prompt, params)]
+
+    items = asyncio.run(asyncio.wait_for(collect(), timeout=30))
+    assert [i.outputs[0].text for i in items] == ["Hel", "lo"]
+    assert len(engines.prompts) == 2 and engines.prompts[1]["cache_salt"] == "tenant-a"

@@ -1,11 +1,13 @@
 """The metrics hub exports each replica's statistics as its own series, in valid Prometheus text
-rendered by prometheus_client."""
+rendered by prometheus_client; the ingress's /health and /metrics answer from a cached call and
+time out a dead hub."""
 
 from __future__ import annotations
 
 import pickle
 from dataclasses import fields
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cluster.metrics_hub import MetricsHub
@@ -99,3 +101,113 @@ def test_a_snapshot_survives_pickling_and_does_not_follow_later_recording():
     assert values[("time_to_first_token_seconds_sum", None)] == 3.03
     assert values[("time_to_first_token_seconds_bucket", "0.04")] == 1
     assert values[("time_to_first_token_seconds_bucket", "0.005")] == 0  # the later 0.002 stayed live
+
+
+# ---- /health and /metrics in the ingress ----------------------------------------------------
+
+
+class _Method:
+    """A deployment handle's method whose `.remote()` counts calls and answers after `delay_s`
+    (None: never, as a dead replica's handle call can hang)."""
+
+    def __init__(self, answer, delay_s: float | None = 0.05):
+        self.answer, self.delay_s, self.num_calls = answer, delay_s, 0
+
+    def remote(self):
+        import asyncio
+
+        self.num_calls += 1
+
+        async def reply():
+            await asyncio.sleep(self.delay_s if self.delay_s is not None else 3600)
+            return self.answer
+
+        return reply()
+
+
+class _FakeHandle:
+    def __init__(self, **methods):
+        self.__dict__.update(methods)
+
+    def options(self, **kwargs):
+        return self
+
+
+def _ingress(servers: dict, hub) -> object:
+    """The ingress class itself (Serve's wrapper subclasses it), built outside Serve on fakes:
+    a unit test of its /health and /metrics logic."""
+    from pagedserve.cluster.ingress import OpenAIIngress
+
+    user_class = OpenAIIngress.__mro__[1]
+    return user_class(servers, hub)
+
+
+def test_a_burst_of_health_checks_is_one_call_per_replica():
+    import asyncio
+
+    replicas = [_Method(True) for _ in range(2)]
+    ingress = _ingress({f"m{i}": _FakeHandle(is_healthy=m) for i, m in enumerate(replicas)}, _FakeHandle())
+
+    async def burst():
+        return await asyncio.gather(*(ingress.health() for _ in range(200)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 200
+    assert [m.num_calls for m in replicas] == [1, 1]
+    asyncio.run(burst())  # within a second: the same answer
+    assert [m.num_calls for m in replicas] == [1, 1]
+
+
+def test_health_is_asked_again_once_the_answer_is_a_second_old():
+    import asyncio
+
+    replica = _Method(True, delay_s=0)
+    ingress = _ingress({"m": _FakeHandle(is_healthy=replica)}, _FakeHandle())
+    ingress.health_probe.max_age_s = 0.2  # (Serve's copy of the class has its own module globals)
+
+    async def twice():
+        await ingress.health()
+        await asyncio.sleep(0.3)
+        return await ingress.health()
+
+    assert asyncio.run(twice()).status_code == 200 and replica.num_calls == 2
+    replica.answer = False  # the engine died
+    asyncio.run(asyncio.sleep(0.3))
+    assert asyncio.run(ingress.health()).status_code == 503
+
+
+def test_a_dead_metrics_hub_is_a_503_not_a_hang():
+    import asyncio
+    import time
+
+    hub = _Method("text", delay_s=None)
+    ingress = _ingress({}, _FakeHandle(render=hub))
+    ingress.metrics_text.timeout_s = 0.5
+
+    async def scrapes():
+        return await asyncio.gather(*(ingress.metrics() for _ in range(50)))
+
+    started = time.monotonic()
+    responses = asyncio.run(scrapes())
+    assert time.monotonic() - started < 3
+    assert {r.status_code for r in responses} == {503} and hub.num_calls == 1
+    assert b"metrics hub did not answer" in responses[0].body
+    live = _ingress({}, _FakeHandle(render=_Method("pagedserve:x 1\n")))
+    assert asyncio.run(live.metrics()).body == b"pagedserve:x 1\n"
+
+
+def test_metrics_can_require_the_api_key():
+    """metrics_require_api_key: /metrics is no longer open; /health stays open for probes."""
+    from pagedserve.cluster.ingress import OpenAIIngress, key_digest
+    from pagedserve.cluster.openai_serving import APIError
+
+    user_class = OpenAIIngress.__mro__[1]
+    default = user_class({}, _FakeHandle(), None, key_digest("key"))
+    default.authorize_path("/metrics", "")  # open by default: scrapers usually carry no key
+    strict = user_class({}, _FakeHandle(), None, key_digest("key"), metrics_require_api_key=True)
+    with pytest.raises(APIError, match="invalid or missing API key"):
+        strict.authorize_path("/metrics", "")
+    strict.authorize_path("/metrics", "Bearer key")
+    strict.authorize_path("/health", "")
+    with pytest.raises(APIError):
+        strict.authorize_path("/v1/completions", "Bearer other")

@@ -324,3 +324,83 @@ def test_request_body_size_is_limited(base_url):
     assert "content-length" not in chunked.request.headers  # it really was sent in chunks
     ok = requests.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+# ---- tenant salts --------------------------------------------------------------------------
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_tenant(client):
+    """vLLM's `cache_salt`: the same prompt under another salt finds none of the first one's
+    cached blocks (its time to first token reveals nothing); under the same salt it hits."""
+    text = "A tenant's private system prompt: " + " ".join(f"clause {i}." for i in range(30))
+
+    def hits() -> int:
+        return engine_stats().prefix_cache_hits_total
+
+    def complete(salt: str | None) -> None:
+        extra = {} if salt is None else {"cache_salt": salt}
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0, extra_body=extra)
+
+    def chat(salt: str) -> None:
+        messages = [{"role": "user", "content": text + " (chat)"}]
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0, extra_body={"cache_salt": salt})
+
+    complete("tenant-a")
+    chat("tenant-a")
+    before = hits()
+    complete("tenant-b")
+    complete(None)
+    chat("tenant-b")
+    assert hits() == before
+    complete("tenant-a")
+    after_completion = hits()
+    assert after_completion > before
+    chat("tenant-a")
+    assert hits() > after_completion
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"cache_salt": ""})
+
+
+class _RecordingClient:
+    """An EngineClient that records the prompts it is sent and answers with an error."""
+
+    def __init__(self):
+        self.prompts = []
+
+    async def generate(self, request_id, prompt, params, resume=None):
+        from pagedserve.cluster.stream_items import ErrorInfo
+
+        self.prompts.append(prompt)
+        yield ErrorInfo(400, "recorded")
+
+    async def is_shutting_down(self) -> bool:
+        return False
+
+
+def test_the_api_key_salts_a_request_without_its_own_salt():
+    """With API keys in use the ingress passes the key's salt; a request's cache_salt wins."""
+    from pagedserve.cluster.ingress import api_key_salt, key_digest
+    from pagedserve.cluster.openai_serving import APIError, OpenAIServing
+    from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+    assert api_key_salt("Bearer key-a") != api_key_salt("Bearer key-b")
+    assert api_key_salt("Bearer key-a") == api_key_salt("bearer  key-a ")
+    assert key_digest("key-a") not in api_key_salt("Bearer key-a")  # not the digest that authorizes
+    recorder = _RecordingClient()
+    serving = OpenAIServing(MODEL, recorder)
+    salt = api_key_salt("Bearer key-a")
+
+    async def send() -> None:
+        for request in (
+            CompletionRequest(model=MODEL, prompt="hi"),
+            CompletionRequest(model=MODEL, prompt=[1, 2, 3], cache_salt="own"),
+            ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}]),
+        ):
+            method = serving.chat if isinstance(request, ChatCompletionRequest) else serving.completions
+            with pytest.raises(APIError, match="recorded"):
+                await method(request, salt)
+
+    asyncio.run(send())
+    assert [p["cache_salt"] for p in recorder.prompts] == [salt, "own", salt]
+    assert recorder.prompts[0]["prompt"] == "hi" and recorder.prompts[1]["prompt_token_ids"] == [1, 2, 3]
+    assert recorder.prompts[2]["messages"] == [{"role": "user", "content": "hi"}]

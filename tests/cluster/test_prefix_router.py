@@ -233,3 +233,54 @@ def test_a_replica_without_its_block_pool_reports_load_only():
     table.insert([1, 2, 3])
     table.apply(report)
     assert table.capacity > 3 and table.num_matched([1, 2, 3]) == 3
+
+
+def test_the_router_salts_the_chain_as_the_engine_does(make_router):
+    """A salted prompt's routing keys are the engine's salted block hashes: they differ per salt,
+    so one tenant's prompt is not steered towards (and timed against) another's cached blocks."""
+    from pagedserve.engine.kv_cache_manager import KVCacheManager
+    from pagedserve.engine.request import Request
+    from pagedserve.sampling_params import SamplingParams
+
+    tokens = list(range(100, 120))
+    kv = KVCacheManager(16, BLOCK, enable_caching=True)
+    engine_request = Request("a", tokens, SamplingParams(max_tokens=4), frozenset(), max_model_len=256, cache_salt="tenant-a")
+    kv.get_computed_blocks(engine_request)  # fills the request's hash chain
+    router = make_router([FakeReplica("a")])
+    requests = []  # kept alive: pending() names a request by its token list's id()
+
+    def routed_keys(salt):
+        request = pending(list(tokens))
+        requests.append(request)
+        if salt is not None:
+            request.args[1]["cache_salt"] = salt
+        return router._routing_keys(request)
+
+    tenant_a, tenant_b, plain = routed_keys("tenant-a"), routed_keys("tenant-b"), routed_keys(None)
+    assert tenant_a == [routing_key(h) for h in engine_request.block_hashes]
+    assert plain == keys_of(tokens)
+    assert len(tenant_a) == 5 and not set(tenant_a) & set(tenant_b) and not set(tenant_a) & set(plain)
+
+
+def test_a_tenant_does_not_follow_another_tenants_prefix(make_router):
+    # Names of their own: an earlier test of this module leaves replica "b" marked as leaving.
+    replicas = [FakeReplica("tenant-test-1", stats(1)), FakeReplica("tenant-test-2", stats(1))]
+    router = make_router(replicas)
+    system = list(range(100, 140))
+    requests = []  # kept alive: pending() names a request by its token list's id()
+
+    def route_salted(salt: str, suffix: list[int]) -> FakeReplica:
+        request = pending(system + suffix)
+        requests.append(request)
+        request.args[1]["cache_salt"] = salt
+        ranks = make_router.loop.run_until_complete(router.choose_replicas(replicas, request))
+        chosen = ranks[0][0]
+        router.on_request_routed(request, chosen.replica_id, None)
+        return chosen
+
+    first = route_salted("tenant-a", [1] * 8)
+    other = replicas[1] if first is replicas[0] else replicas[0]
+    first.routing_stats, other.routing_stats = stats(2, running=4), stats(2)
+    refresh(router, replicas, make_router.loop)
+    assert route_salted("tenant-a", [2] * 8) is first  # the same tenant follows its prefix
+    assert route_salted("tenant-b", [3] * 8) is not first  # another tenant goes to the least loaded

@@ -229,3 +229,18 @@ def test_reset_prefix_cache_forgets_every_hash_but_keeps_references():
 
 def test_repr_names_the_block():
     assert repr(KVCacheBlock(3, ref_cnt=2)) == "KVCacheBlock(3, ref_cnt=2, registered=False)"
+
+
+def test_a_cache_salt_changes_every_block_hash_of_the_chain():
+    """The salt is the first block's parent, so it reaches every hash of the chain; equal salts
+    give equal chains, and no salt gives the unsalted chain."""
+    from pagedserve.engine.block_pool import extend_block_hashes
+
+    tokens = list(range(12))
+    plain = extend_block_hashes([], tokens, 4)
+    tenant_a = extend_block_hashes([], tokens, 4, "tenant-a")
+    tenant_b = extend_block_hashes([], tokens, 4, "tenant-b")
+    assert len(plain) == len(tenant_a) == len(tenant_b) == 3
+    assert not set(plain) & set(tenant_a) and not set(tenant_a) & set(tenant_b) and not set(plain) & set(tenant_b)
+    assert extend_block_hashes([], tokens, 4, "tenant-a") == tenant_a
+    assert extend_block_hashes([], tokens, 4, None) == plain

@@ -245,3 +245,25 @@ def test_reset_prefix_cache_then_running_blocks_register_again():
     a.append_output_token_id(8)
     _compute(kv, a, 1)  # the next allocation registers a's full blocks again
     assert kv.get_computed_blocks(_request("c", range(9)))[1] == 8
+
+
+# ---- tenant salts ----------------------------------------------------------------------------
+
+
+def _salted(req_id: str, tokens: list[int], salt: str | None) -> Request:
+    return Request(req_id, list(tokens), SamplingParams(max_tokens=16), frozenset(), max_model_len=256, cache_salt=salt)
+
+
+def test_different_salts_share_no_prefix_blocks():
+    """Another tenant's identical prompt gets no hit (its time to first token reveals nothing);
+    the same tenant's does; an unsalted prompt hits neither."""
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    prompt = list(range(13))  # three full blocks
+    _compute(kv, _salted("a", prompt, "tenant-a"))
+    assert kv.get_computed_blocks(_salted("b", prompt, "tenant-b"))[1] == 0
+    assert kv.get_computed_blocks(_salted("plain", prompt, None))[1] == 0
+    hits, num_hit_tokens = kv.get_computed_blocks(_salted("a2", prompt, "tenant-a"))
+    assert num_hit_tokens == 12 and [b.block_id for b in hits] == kv.get_block_ids("a")[:3]
+    _compute(kv, _salted("b", prompt, "tenant-b"))  # tenant b's own blocks, not a's
+    assert not set(kv.get_block_ids("a")) & set(kv.get_block_ids("b"))
+    assert kv.get_computed_blocks(_salted("b2", prompt, "tenant-b"))[1] == 12

@@ -245,3 +245,27 @@ def test_shutdown_is_idempotent(model_dirs):
     llm.shutdown()
     llm.shutdown()
     assert llm.llm_engine.executor is None
+
+
+def test_cache_salt_in_a_prompt_dict_separates_prefix_hits(model_dirs):
+    """vLLM's offline form: {"prompt": ..., "cache_salt": ...}. The same prompt under another salt
+    computes every token; under the same salt it hits the cache. Outputs are the same."""
+    llm = LLM(str(model_dirs["llama"]), max_model_len=128, block_size=16)
+    try:
+        text = "The capital of France is Paris. The capital of Japan is Tokyo. The capital of Italy is"
+
+        def run(salt):
+            prompt = {"prompt": text} if salt is None else {"prompt": text, "cache_salt": salt}
+            return llm.generate(prompt, greedy(4), use_tqdm=False)[0]
+
+        first = run("tenant-a")
+        assert len(first.prompt_token_ids) > 16 and first.num_cached_tokens == 0
+        assert run("tenant-b").num_cached_tokens == 0
+        assert run(None).num_cached_tokens == 0
+        again = run("tenant-a")
+        assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+        for bad in ("", 7):
+            with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+                llm.generate({"prompt": text, "cache_salt": bad}, greedy(4), use_tqdm=False)
+    finally:
+        llm.shutdown()

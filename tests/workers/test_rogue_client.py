@@ -1,7 +1,7 @@
 """A rogue client on the engine's network: it connects to every TCP port the engine process
 listens on, while the worker group starts and again while it is rebuilt after a worker died, and
 sends (a) a raw pickle whose unpickling creates a file, (b) the same in the step channel's framing,
-(c) a length header claiming gigabytes. Nothing of it may be unpickled or allocated, and the
+(c) a length header claiming gigabytes; from the engine's address and from one outside the group. Nothing of it may be unpickled or allocated, and the
 engine must start, recover and generate exactly as Hugging Face does."""
 
 from __future__ import annotations
@@ -58,12 +58,16 @@ class RogueClient(threading.Thread):
             self.stopped.wait(0.02)
 
     def attack(self, host: str, port: int) -> None:
-        for payload in self.payloads:
-            try:
-                with socket.create_connection((host, port), timeout=5) as sock:
-                    sock.sendall(payload)
-            except OSError:  # the port closed meanwhile, or refused the bytes
-                pass
+        # From the engine's own address, and from another host's (127.0.0.2: also loopback on
+        # Linux, but not the address of any node of the group).
+        sources = [None, ("127.0.0.2", 0)] if host == "127.0.0.1" else [None]
+        for source in sources:
+            for payload in self.payloads:
+                try:
+                    with socket.create_connection((host, port), timeout=5, source_address=source) as sock:
+                        sock.sendall(payload)
+                except OSError:  # the port closed meanwhile, or refused the bytes
+                    pass
 
     def wait_until_attacked(self, port: int, timeout: float = 120.0) -> bool:
         with self.changed:
@@ -120,5 +124,7 @@ def test_rogue_client_gets_nothing(ray_cluster, model_dirs, hf_references, rogue
     assert psutil.Process().memory_info().rss - rss_before < RSS_MARGIN
     refused = [r for r in caplog.records if "failed the handshake" in r.getMessage()]
     assert len(refused) >= 2 * len(rogue.payloads)  # every attack reached the handshake and stopped there
+    outsiders = [r for r in caplog.records if "not a node of this worker group" in r.getMessage()]
+    assert len(outsiders) >= 2 * len(rogue.payloads)  # from another address: not even a handshake
     for output in first + after_recovery:
         assert output.outputs[0].token_ids == hf.greedy(output.prompt_token_ids, 24)
