@@ -243,6 +243,22 @@ def test_bad_request_is_400(client, kwargs, fragment):
     assert "Traceback" not in error["message"]
 
 
+@pytest.mark.parametrize(
+    "kwargs, param, fragment",
+    [
+        ({"stop": ["s"] * 17}, "stop", "at most 16 stop strings are allowed, got 17"),
+        ({"stop": "x" * 257}, "stop", "at most 256 characters, got one of 257"),
+        ({"extra_body": {"stop_token_ids": list(range(257))}}, "stop_token_ids", "at most 256 stop token ids"),
+    ],
+)
+def test_stop_lists_over_the_caps_are_400s(client, kwargs, param, fragment):
+    """Issue 19: unbounded stop lists stalled a replica; now a 400 names the field and the cap."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **kwargs)
+    assert fragment in info.value.body["message"] and info.value.body["param"] == param
+    assert len(info.value.body["message"]) < 2000
+
+
 def test_malformed_json_and_unknown_model(base_url, client):
     response = requests.post(f"{base_url}/v1/chat/completions", data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
