@@ -132,10 +132,11 @@ class OpenAIServing:
     async def _start(self, response_id: str, prompts: list[Any], params: SamplingParams) -> list[_Started]:
         """Send every prompt and wait for each first item; a refusal cancels the others."""
         if self.renderer is not None:
-            try:
+            try:  # the renderer encodes off the event loop, after a length check
                 prompts = [await self.renderer.render(prompt) for prompt in prompts]
             except ValueError as error:
-                raise APIError(400, str(error)) from None
+                param = "messages" if any(isinstance(p, dict) and "messages" in p for p in prompts) else "prompt"
+                raise APIError(400, str(error), param=param) from None
         streams = [self.client.generate(f"{response_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(stream) for stream in streams))

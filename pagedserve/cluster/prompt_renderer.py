@@ -4,7 +4,9 @@ resumed requests are token ids too). Chat messages go through the model's chat t
 
 The ingress loads the engine's tokenizer itself, once, from the folder model_resolver resolves
 for the engine's `model` / `tokenizer` / `revision` (asked of an LLMServer replica when the
-ingress starts, so the ingress's arguments do not change).
+ingress starts, so the ingress's arguments do not change). Text is length-checked against the
+engine's max_model_len before it is encoded, and encoded on a thread of its own, never on the
+ingress's event loop (cluster/tokenizer_thread.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-from pagedserve.engine.chat import render_chat
+from pagedserve.cluster.tokenizer_thread import TokenizerThread
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,13 @@ class PromptRenderer:
         tokenizer = await self._tokenizer()
         if tokenizer is None or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             return prompt
-        # Encoding runs on the event loop: one fast tokenizer used from two threads can fail.
         if isinstance(prompt, str):
-            return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
+            return {"prompt": prompt, "prompt_token_ids": await tokenizer.encode(prompt)}
         if isinstance(prompt, dict) and "messages" in prompt:
-            return render_chat(tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+            return await tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True))
         return prompt
 
-    async def _tokenizer(self) -> Any:
+    async def _tokenizer(self) -> TokenizerThread | None:
         if self._loading is None:
             self._loading = asyncio.create_task(self._load())
         loading = self._loading
@@ -57,16 +58,18 @@ class PromptRenderer:
             self._loading = None  # try again with the next request
         return tokenizer
 
-    async def _load(self) -> Any:
+    async def _load(self) -> TokenizerThread | None:
         """The tokenizer, or None (prompts then go as given and the replica tokenizes them:
         the service keeps working, routed by power of two)."""
-        from pagedserve.engine.tokenizer import load_tokenizer
+        from pagedserve.engine.tokenizer import TextLimit, load_tokenizer
         from pagedserve.model_resolver import resolve_checkpoint
 
         try:
             spec = await self.fetch_spec()
             checkpoint = await asyncio.to_thread(resolve_checkpoint, spec["model"], spec.get("tokenizer"), spec.get("revision"))
-            return await asyncio.to_thread(load_tokenizer, str(checkpoint.tokenizer_path))
+            tokenizer = await asyncio.to_thread(load_tokenizer, str(checkpoint.tokenizer_path))
+            limit = await asyncio.to_thread(TextLimit.of, tokenizer, spec["max_model_len"])
+            return TokenizerThread(tokenizer, limit)
         except Exception:
             logger.warning("cannot load the tokenizer in the ingress; replicas will tokenize", exc_info=True)
             return None
