@@ -52,12 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4000, help="tokens streamed per case")
     parser.add_argument("--timed", type=int, default=50, help="of which the last ones are timed")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args()
+    cases = {name: CASES[name] for name in args.cases.split(",")}
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = build_tokenizer(Path(folder))
     token_ids = tokenizer.encode(TEXT, add_special_tokens=False)[: args.tokens]
     baseline = per_token_ms(tokenizer, token_ids, [], args.timed)
-    results = {name: per_token_ms(tokenizer, token_ids, stop_list(*shape), args.timed) for name, shape in CASES.items()}
+    results = {name: per_token_ms(tokenizer, token_ids, stop_list(*shape), args.timed) for name, shape in cases.items()}
     print(json.dumps({
         "tokens": len(token_ids), "timed": args.timed, "no_stop_ms_per_token": round(baseline, 4),
         "ms_per_token": {name: round(ms, 4) for name, ms in results.items()},
