@@ -14,6 +14,11 @@ from typing import Any
 
 # Below this temperature a request is greedy (as vLLM): dividing by it would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Stop conditions are checked every step for every sample, so their size is bounded: 200k stop
+# strings once cost 50 ms per token and stalled every stream on the replica (issue 19).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParamError(ValueError):
@@ -96,6 +101,16 @@ class SamplingParams:
             child.seed = self.seed + index
         return child
 
+    def sampler_params(self) -> SamplerParams:
+        """The part the workers' sampler reads, which travels to every rank (see SamplerParams)."""
+        return SamplerParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids) if self.min_tokens > 0 else (),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+        )
+
     def clone(self, **changes: Any) -> SamplingParams:
         child = copy.copy(self)
         for name, value in changes.items():
@@ -126,9 +141,10 @@ class SamplingParams:
                 _fail("stop", stop, "a string or a list of strings")
         if isinstance(stop, str):
             stop = [stop]
-        if any(s == "" for s in stop or []):
-            _fail("stop", self.stop, "non-empty strings")
+        _check_stop_bounds(stop or [])
         ids = self.stop_token_ids
+        if ids is not None and isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", _Count(len(ids), "token ids"), f"at most {MAX_STOP_TOKEN_IDS} token ids")
         if ids is not None and (
             not isinstance(ids, (list, tuple))
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
@@ -161,6 +177,52 @@ class SamplingParams:
             _fail("logprobs", self.logprobs, "logprobs >= 0 (or None)")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             _fail("seed", self.seed, "a 64-bit signed integer")
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """What the workers' sampler needs of one request: sent to every rank in each step that
+    schedules the request whole. Stop strings and output options stay in the engine, so a step's
+    size depends on its tokens only (a too-large step once killed the engine, issue 19). Field
+    names are SamplingParams' own, so the sampler reads either."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    min_tokens: int
+    ignore_eos: bool
+    # Banned while min_tokens is not reached (at most MAX_STOP_TOKEN_IDS); empty when min_tokens
+    # is 0, since the engine alone stops a request on them.
+    stop_token_ids: tuple[int, ...]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+
+    is_greedy = SamplingParams.is_greedy
+    has_penalties = SamplingParams.has_penalties
+
+
+def _check_stop_bounds(stop: list[str] | tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        _fail("stop", _Count(len(stop), "strings"), f"at most {MAX_STOP_STRINGS} stop strings")
+    for text in stop:
+        if text == "":
+            _fail("stop", stop, "non-empty strings")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            _fail("stop", _Count(len(text), "characters"), f"at most {MAX_STOP_STRING_CHARS} characters per stop string")
+
+
+class _Count:
+    """Stands for an over-long value in an error message: the message must not echo it back."""
+
+    def __init__(self, count: int, unit: str):
+        self.count, self.unit = count, unit
+
+    def __repr__(self) -> str:
+        return f"<{self.count} {self.unit}>"
 
 
 def _expect(params: SamplingParams, name: str, kind: type, optional: bool = False) -> None:

@@ -154,7 +154,8 @@ def _ingress_tokenizer(spec: dict):
 
     async def render():
         renderer = PromptRenderer(fetch_spec)
-        return await renderer._tokenizer(), await renderer.render("Hello, my name is")
+        thread = await renderer._tokenizer()  # the TokenizerThread the ingress encodes on
+        return (thread.tokenizer if thread else None), await renderer.render("Hello, my name is")
 
     return asyncio.run(render())
 
@@ -169,7 +170,7 @@ def test_ingress_reads_a_gguf_tokenizer_without_converting_the_weights(smollm2_g
         raise AssertionError(f"the ingress converted {source}")
 
     monkeypatch.setattr(gguf_checkpoint, "convert_gguf", no_conversion)
-    tokenizer, rendered = _ingress_tokenizer({"model": str(smollm2_gguf), "tokenizer": None, "revision": None})
+    tokenizer, rendered = _ingress_tokenizer({"model": str(smollm2_gguf), "tokenizer": None, "revision": None, "max_model_len": 2048})
     assert tokenizer is not None
     engine_tokenizer = load_tokenizer(str(smollm2_dir))  # the tokenizer the engine uses
     assert rendered["prompt_token_ids"] == engine_tokenizer.encode("Hello, my name is")
@@ -185,6 +186,6 @@ def test_ingress_takes_only_tokenizer_files_of_a_hub_model(tokenizer_dir, tmp_pa
     (repo / "refs" / "main").write_text(REVISION)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tokenizer, rendered = _ingress_tokenizer({"model": "acme/tokenizer-only", "tokenizer": None, "revision": None})
+    tokenizer, rendered = _ingress_tokenizer({"model": "acme/tokenizer-only", "tokenizer": None, "revision": None, "max_model_len": 2048})
     assert tokenizer is not None
     assert rendered["prompt_token_ids"] == tokenizer.encode("Hello, my name is")

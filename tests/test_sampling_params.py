@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from pagedserve.sampling_params import GREEDY_TEMPERATURE_EPS, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 INF, NAN = math.inf, math.nan
 
@@ -165,3 +172,39 @@ def test_the_error_names_its_field():
         with pytest.raises(SamplingParamError) as info:
             SamplingParams(**kwargs)
         assert info.value.field == field and str(info.value).startswith(f"SamplingParams.{field}=")
+# ---- bounded stop conditions (issue 19: 200k stop strings cost 50 ms per token) -------------
+
+
+@pytest.mark.parametrize(
+    "name, value, fragment",
+    [
+        ("stop", ["s"] * (MAX_STOP_STRINGS + 1), "<17 strings>"),
+        ("stop", "x" * (MAX_STOP_STRING_CHARS + 1), "<257 characters>"),
+        ("stop", ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)], "<257 characters>"),
+        ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1)), "<257 token ids>"),
+        ("stop", ["s"] * 200_000, "<200000 strings>"),
+    ],
+)
+def test_stop_lists_are_capped(name, value, fragment):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{name: value})
+    message = str(info.value)
+    assert message.startswith(f"SamplingParams.{name}=") and fragment in message and "allowed is at most" in message
+    assert len(message) < 200  # the over-long value is not echoed back
+
+
+def test_stop_lists_at_the_caps_are_accepted():
+    params = SamplingParams(
+        stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))
+    )
+    assert len(params.stop) == 16 and len(params.stop_token_ids) == 256
+
+
+def test_sampler_params_carry_no_stop_strings():
+    params = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x" * 256] * 16, stop_token_ids=[7, 9], logprobs=2)
+    record = params.sampler_params()
+    assert not hasattr(record, "stop") and record.stop_token_ids == ()  # no min_tokens: no bans
+    assert (record.temperature, record.top_k, record.seed, record.logprobs) == (0.7, 5, 3, 2)
+    assert not record.is_greedy and not record.has_penalties
+    banned = SamplingParams(min_tokens=2, stop_token_ids=[7, 9], repetition_penalty=1.2).sampler_params()
+    assert banned.stop_token_ids == (7, 9) and banned.has_penalties

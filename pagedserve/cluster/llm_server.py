@@ -22,14 +22,15 @@ from pagedserve.cluster.replica_drain import ReplicaDrain, end_actor
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.cluster.server_config import ServerConfig
 from pagedserve.cluster.stream_items import ErrorInfo, Handover, StreamItem, overloaded
+from pagedserve.cluster.tokenizer_thread import TokenizerThread
 from pagedserve.config import WorkerPlacement
 from pagedserve.engine.async_llm import AsyncLLM, EngineOverloadedError
-from pagedserve.engine.chat import render_chat
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.inputs import ServerPrompt, is_chat_prompt
+from pagedserve.engine.tokenizer import TextLimit
+from pagedserve.inputs import ServerPrompt, is_chat_prompt, is_tokens_prompt, tokens_prompt
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class LLMServer:
         if worker_bundle_indices:
             placement = WorkerPlacement(ray.util.get_current_placement_group(), tuple(worker_bundle_indices))
         self.llm = AsyncLLM(engine_config, placement)
+        self.max_model_len = self.llm.engine.model_config.max_model_len
+        # Every use of the engine's tokenizer here goes through this thread: never on the loop.
+        self.tokenizer = TokenizerThread(self.llm.tokenizer, TextLimit.of(self.llm.tokenizer, self.max_model_len))
+        self.tokenizer_size = len(self.llm.tokenizer)
         self.model_name = config.model_name
         self.stream_interval_s = config.stream_interval_ms / 1000
         replica_id = serve.get_replica_context().replica_id
@@ -73,9 +78,7 @@ class LLMServer:
             yield self.drain.handover
             return
         try:
-            if is_chat_prompt(prompt):
-                salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
-                prompt = {**render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True)), **salt}
+            prompt = await self._tokenized(prompt)
             outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
@@ -90,6 +93,23 @@ class LLMServer:
             yield overloaded(str(error))
         except EngineDeadError as error:
             yield ErrorInfo(503, f"the engine is not running: {error}", "ServiceUnavailableError")
+
+    async def _tokenized(self, prompt: ServerPrompt) -> ServerPrompt:
+        """Text and conversations (sent here when the ingress has no tokenizer) as token ids,
+        encoded on the tokenizer's thread, so the engine does not encode on this loop. The
+        prompt's prefix-cache salt stays with it."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if is_chat_prompt(prompt):
+            tokenized = await self.tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True))
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not is_tokens_prompt(prompt):
+            tokenized = tokens_prompt(await self.tokenizer.encode(prompt["prompt"]), prompt["prompt"])
+        elif isinstance(prompt, str):
+            tokenized = tokens_prompt(await self.tokenizer.encode(prompt), prompt)
+        else:
+            return prompt
+        if salt is not None:
+            tokenized["cache_salt"] = salt
+        return tokenized
 
     async def _batched(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Stream items cost the Serve path far more than tokens cost the engine, so deltas that
@@ -110,13 +130,14 @@ class LLMServer:
             await outputs.aclose()
 
     async def tokenize(self, prompt: str | None, messages: list[dict] | None, add_special_tokens: bool) -> list[int] | ErrorInfo:
-        tokenizer = self.llm.tokenizer
+        """Token ids as the engine would see them; text that cannot fit in max_model_len is a 400
+        before it is encoded."""
         try:
             if messages is not None:
-                return render_chat(tokenizer, messages)["prompt_token_ids"]
-            return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                return (await self.tokenizer.render_chat(messages))["prompt_token_ids"]
+            return await self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         except ValueError as error:
-            return ErrorInfo(400, str(error))
+            return ErrorInfo(400, str(error), param="messages" if messages is not None else "prompt")
 
     async def detokenize(self, tokens: list[int]) -> str | ErrorInfo:
         vocab = self.llm.engine.model_config.vocab_size
@@ -124,17 +145,16 @@ class LLMServer:
         if bad:
             return ErrorInfo(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
         # Ids past the tokenizer (embedding padding) decode to nothing, as in generation.
-        size = len(self.llm.tokenizer)
-        return self.llm.tokenizer.decode([t for t in tokens if t < size])
+        return await self.tokenizer.decode([t for t in tokens if t < self.tokenizer_size])
 
     async def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "max_model_len": self.llm.engine.model_config.max_model_len}
+        return {"id": self.model_name, "max_model_len": self.max_model_len}
 
     async def prompt_spec(self) -> dict[str, Any]:
         """What the ingress needs to tokenize for this engine (it resolves and loads the same
         tokenizer itself, so prompts reach the router as token ids)."""
         config = self.llm.config
-        return {"model": config.model, "tokenizer": config.tokenizer, "revision": config.revision}
+        return {"model": config.model, "tokenizer": config.tokenizer, "revision": config.revision, "max_model_len": self.max_model_len}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (every deployment.routing_stats_period_s): engine load and

@@ -22,7 +22,7 @@ from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
-from pagedserve.inputs import ChatPrompt, ServerPrompt
+from pagedserve.inputs import ChatPrompt, ServerPrompt, is_chat_prompt
 from pagedserve.request_ids import new_response_id, prompt_request_id
 from pagedserve.sampling_params import SamplingParamError, SamplingParams
 
@@ -138,10 +138,11 @@ class OpenAIServing:
     ) -> list[_Started]:
         """Send every prompt and wait for each first item; a refusal cancels the others."""
         if self.renderer is not None:
-            try:
+            try:  # the renderer encodes off the event loop, after a length check
                 prompts = [await self.renderer.render(prompt) for prompt in prompts]
             except ValueError as error:
-                raise APIError(400, str(error)) from None
+                param = "messages" if any(is_chat_prompt(p) for p in prompts) else "prompt"
+                raise APIError(400, str(error), param=param) from None
         prompts = [_salted(prompt, cache_salt) for prompt in prompts]
         streams = [self.client.generate(prompt_request_id(response_id, i), prompt, params) for i, prompt in enumerate(prompts)]
         try:

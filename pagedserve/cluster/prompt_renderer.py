@@ -5,7 +5,8 @@ resumed requests are token ids too). Chat messages go through the model's chat t
 The ingress loads the engine's tokenizer itself, once, and only the tokenizer (no weights, no GGUF
 conversion: model_resolver.resolve_tokenizer_source) for the engine's `model` / `tokenizer` /
 `revision` (asked of an LLMServer replica when the ingress starts, so the ingress's arguments do
-not change).
+not change). Text is length-checked against the engine's max_model_len before it is encoded, and
+encoded on a thread of its own, never on the ingress's event loop (cluster/tokenizer_thread.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-from pagedserve.engine.chat import render_chat
+from pagedserve.cluster.tokenizer_thread import TokenizerThread
 from pagedserve.inputs import ServerPrompt, is_chat_prompt, is_tokens_prompt, tokens_prompt
 
 logger = logging.getLogger(__name__)
@@ -43,14 +44,13 @@ class PromptRenderer:
         tokenizer = await self._tokenizer()
         if tokenizer is None or is_tokens_prompt(prompt):
             return prompt
-        # Encoding runs on the event loop: one fast tokenizer used from two threads can fail.
         if isinstance(prompt, str):
-            return tokens_prompt(tokenizer.encode(prompt), prompt)
+            return tokens_prompt(await tokenizer.encode(prompt), prompt)
         if is_chat_prompt(prompt):
-            return render_chat(tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+            return await tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True))
         return prompt
 
-    async def _tokenizer(self) -> Any:
+    async def _tokenizer(self) -> TokenizerThread | None:
         if self._loading is None:
             self._loading = asyncio.create_task(self._load())
         loading = self._loading
@@ -59,10 +59,10 @@ class PromptRenderer:
             self._loading = None  # try again with the next request
         return tokenizer
 
-    async def _load(self) -> Any:
+    async def _load(self) -> TokenizerThread | None:
         """The tokenizer, or None (prompts then go as given and the replica tokenizes them:
         the service keeps working, routed by power of two)."""
-        from pagedserve.engine.tokenizer import load_tokenizer
+        from pagedserve.engine.tokenizer import TextLimit, load_tokenizer
         from pagedserve.model_resolver import resolve_tokenizer_source
 
         try:
@@ -70,7 +70,9 @@ class PromptRenderer:
             # The tokenizer only: a GGUF file's from its metadata, a hub model's tokenizer files.
             # Converting the checkpoint here would dequantize the whole model in the ingress.
             source = await asyncio.to_thread(resolve_tokenizer_source, spec["model"], spec.get("tokenizer"), spec.get("revision"))
-            return await asyncio.to_thread(load_tokenizer, str(source.folder), source.gguf_file)
+            tokenizer = await asyncio.to_thread(load_tokenizer, str(source.folder), source.gguf_file)
+            limit = await asyncio.to_thread(TextLimit.of, tokenizer, spec["max_model_len"])
+            return TokenizerThread(tokenizer, limit)
         except Exception:
             logger.warning("cannot load the tokenizer in the ingress; replicas will tokenize", exc_info=True)
             return None

@@ -10,7 +10,13 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, TokensPrompt, tokens_prompt
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 
 def _encodable(value: Any) -> Any:
@@ -22,6 +28,24 @@ def _encodable(value: Any) -> Any:
                 text.encode("utf-8")
             except UnicodeEncodeError as error:
                 raise ValueError(f"unpaired UTF-16 surrogate at position {error.start}: not valid Unicode text") from None
+    return value
+
+
+def _bounded_stop(value: Any) -> Any:
+    """Stop strings are matched against every sample's new text each step: their count and
+    length are bounded (as SamplingParams bounds them, but here the 400 names the OpenAI field)."""
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"a stop string may hold at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
+    return _encodable(value)
+
+
+def _bounded_stop_token_ids(value: list[int] | None) -> list[int] | None:
+    if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(value)}")
     return value
 
 
@@ -84,7 +108,8 @@ class SamplingFields(BaseModel):
             **{name: value for name, value in optional.items() if value is not None},
         )
 
-    _check_stop = field_validator("stop")(_encodable)
+    _check_stop = field_validator("stop")(_bounded_stop)
+    _check_stop_token_ids = field_validator("stop_token_ids")(_bounded_stop_token_ids)
 
     @property
     def include_usage(self) -> bool:

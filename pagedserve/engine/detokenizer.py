@@ -9,6 +9,7 @@ next token, so half a character is never emitted.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class IncrementalDetokenizer:
         self.vocab_size = vocab_size  # ids at or past this (embedding padding) decode to nothing
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
+        self.stop_matcher = StopMatcher(params.stop) if params.stop else None
         self.include_stop = params.include_stop_str_in_output
         self.stop_buffer_length = params.stop_buffer_length
         context = [t for t in prompt_token_ids[-INITIAL_CONTEXT_TOKENS:] if t < vocab_size]
@@ -44,7 +46,7 @@ class IncrementalDetokenizer:
             if 0 <= token_id < self.vocab_size:
                 self.token_ids.append(token_id)
                 self._decode_last()
-        return self._find_stop_string(start) if self.stop else None
+        return self._find_stop_string(start) if self.stop_matcher is not None else None
 
     def replay(self, token_ids: list[int], num_sent_chars: int) -> None:
         """Rebuild the state after `token_ids` (a resumed request's earlier outputs) of which
@@ -84,13 +86,41 @@ class IncrementalDetokenizer:
 
     def _find_stop_string(self, new_text_start: int) -> str | None:
         """The earliest stop string that overlaps the new text; truncates the output there."""
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            index = self.output_text.find(stop, max(0, new_text_start - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
+        found = self.stop_matcher.find(self.output_text, new_text_start)
+        if found is None:
             return None
-        index, stop = best
+        index, stop = found
         self.output_text = self.output_text[: index + len(stop) if self.include_stop else index]
         return stop
+
+
+class StopMatcher:
+    """All of a request's stop strings found in one pass over the new text and the characters
+    before it that a stop string could straddle (the longest one's length - 1): a step's cost
+    depends on its new text and the stop strings, never on the text generated so far.
+
+    Semantics (as a `str.find` per stop string): among the stop strings that end in the new
+    text, the one that starts earliest wins; of those starting at the same place, the first listed.
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = list(stop)
+        self.overlap = max(len(s) for s in stop) - 1
+        # re's alternation tries alternatives in order at each position, from the leftmost one:
+        # the earliest match, ties to the first listed.
+        self.pattern = re.compile("|".join(re.escape(s) for s in stop))
+        self.num_scanned_chars = 0  # characters searched so far, for tests of the bound above
+
+    def find(self, text: str, new_text_start: int) -> tuple[int, str] | None:
+        """The stop string that ends past `new_text_start` and starts earliest, with its index."""
+        pos = max(0, new_text_start - self.overlap)
+        self.num_scanned_chars += len(text) - pos
+        while (match := self.pattern.search(text, pos)) is not None:
+            index = match.start()
+            # The first listed that starts here and ends in the new text (one ending before it
+            # was already looked for in an earlier step).
+            for stop in self.stop:
+                if index + len(stop) > new_text_start and text.startswith(stop, index):
+                    return index, stop
+            pos = index + 1
+        return None

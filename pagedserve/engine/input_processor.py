@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.tokenizer import TextLimit
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, PromptType
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,6 +40,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.model_config = model_config
+        self._text_limit: TextLimit | None = None  # computed at the first text prompt
 
     def process(self, prompt: PromptType, params: SamplingParams, resume: ResumeState | None = None) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
@@ -53,7 +55,7 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+            return ProcessedPrompt(prompt, self._encode(prompt))
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
@@ -62,10 +64,17 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return ProcessedPrompt(prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), cache_salt=salt)
             if isinstance(prompt.get("prompt"), str):
-                return ProcessedPrompt(prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), cache_salt=salt)
+                return ProcessedPrompt(prompt["prompt"], self._encode(prompt["prompt"]), cache_salt=salt)
         raise ValueError(
             f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}; got {type(prompt).__name__}"
         )
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of a text that may fit in max_model_len; a longer one is refused unencoded."""
+        if self._text_limit is None:
+            self._text_limit = TextLimit.of(self.tokenizer, self.model_config.max_model_len)
+        self._text_limit.check(len(text), "prompt")
+        return self.tokenizer.encode(text)
 
     def _token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple)) or not all(

@@ -19,11 +19,13 @@ from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.step_split import merge_outputs, split_step
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.executor import Executor, WorkerGroupError
+from pagedserve.workers.executor import Executor, StepTooLargeError, WorkerGroupError
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +145,11 @@ class LLMEngine:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         scheduler_output = self.scheduler.schedule()
-        runner_output = ModelRunnerOutput.empty()
+        runner_output, refused = ModelRunnerOutput.empty(), []
         # An idle step still runs when requests ended, so the workers drop their state.
         if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids:
             try:
-                runner_output = self.executor.execute_model(scheduler_output)
+                runner_output, refused = self._execute(scheduler_output)
                 self._consecutive_failures = 0
             except WorkerGroupError as error:
                 # The step never happened: nothing of it reached the scheduler's request state.
@@ -155,7 +157,25 @@ class LLMEngine:
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if refused:  # they sampled nothing, so nothing above touched them
+            request_outputs += self._refuse(refused)
         return request_outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
+        """The step's output, and the requests it could not send to the workers: a step too large
+        for the channel runs in parts; a request too large alone is refused (never a dead worker)."""
+        try:
+            return self.executor.execute_model(scheduler_output), []
+        except StepTooLargeError as error:
+            parts, refused = split_step(scheduler_output, error.max_bytes)
+            logger.warning("%s: running it in %d parts; refusing %d request(s) too large alone", error, len(parts), len(refused))
+            return merge_outputs([self.executor.execute_model(part) for part in parts]), refused
+
+    def _refuse(self, child_ids: list[str]) -> list[RequestOutput]:
+        """End requests whose data cannot reach the workers (finish_reason "abort")."""
+        logger.error("requests %s are too large for the step channel to the workers: ended", child_ids[:5])
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.finish_aborted(child_ids)
 
     # ---- recovery ---------------------------------------------------------------------------
 

@@ -238,7 +238,7 @@ class Scheduler:
             return None
         if token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in request.sampling_params.stop_token_ids:
+        if token_id in request.stop_ids:  # a set: the stop_token_ids list is never scanned
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
@@ -249,7 +249,7 @@ class Scheduler:
             req_id=request.request_id,
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
+            sampling_params=request.sampling_params.sampler_params(),
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplerParams
 
 
 @dataclass
@@ -21,7 +21,8 @@ class NewRequestData:
     req_id: str  # the scheduler's id (a child's id when the user asked for n > 1)
     token_ids: list[int]  # prompt + output tokens known so far
     num_prompt_tokens: int  # penalties treat prompt and output tokens differently
-    sampling_params: SamplingParams  # sent once; the workers keep it for the sampler
+    # Sent once; the workers keep it for the sampler. Only the sampler's fields: no stop strings.
+    sampling_params: SamplerParams
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
 

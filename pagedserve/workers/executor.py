@@ -28,6 +28,15 @@ class WorkerGroupError(RuntimeError):
     """A worker died or failed mid-step: the group's state is lost and it must be rebuilt."""
 
 
+class StepTooLargeError(ValueError):
+    """A step does not fit the channel to the workers. Nothing of it was sent: the workers are
+    fine, and the engine runs the step in parts (engine/step_split.py) instead."""
+
+    def __init__(self, size: int, max_bytes: int):
+        super().__init__(f"a step of {size} bytes exceeds the step channel's {max_bytes}-byte limit")
+        self.size, self.max_bytes = size, max_bytes
+
+
 class Executor(ABC):
     """Owns the workers. Subclasses decide where they run (in-process, Ray actors)."""
 
@@ -76,7 +85,8 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; raises WorkerGroupError if a worker died or failed."""
+        """Run one step on every rank; raises WorkerGroupError if a worker died or failed, and
+        StepTooLargeError (having sent nothing) if the step does not fit its channel."""
 
     def shutdown(self) -> None:
         """Release the workers; safe to call more than once."""

@@ -25,7 +25,7 @@ from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
-from pagedserve.workers.executor import Executor, WorkerGroupError, resolve_device
+from pagedserve.workers.executor import Executor, StepTooLargeError, WorkerGroupError, resolve_device
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,11 @@ class RayExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        # Checked before anything is sent: an oversized step is the step's fault, not a dead
+        # worker's (as a ChannelError from send_bytes, it once rebuilt the group until the
+        # engine died: issue 19).
+        if len(payload) > step_channel.MAX_MESSAGE_BYTES:
+            raise StepTooLargeError(len(payload), step_channel.MAX_MESSAGE_BYTES)
         digest = step_channel.payload_digest(payload)  # hashed once for every rank's MAC
         try:
             for conn in self.connections:

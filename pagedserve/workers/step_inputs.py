@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplerParams
 
 
 @dataclass
@@ -20,7 +20,7 @@ class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + outputs known so far
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: SamplerParams  # (tests may hand a SamplingParams: the same field names)
     block_ids: list[int]
     num_computed_tokens: int
 

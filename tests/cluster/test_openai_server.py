@@ -243,6 +243,46 @@ def test_bad_request_is_400(client, kwargs, fragment):
     assert "Traceback" not in error["message"]
 
 
+@pytest.mark.parametrize(
+    "kwargs, param, fragment",
+    [
+        ({"stop": ["s"] * 17}, "stop", "at most 16 stop strings are allowed, got 17"),
+        ({"stop": "x" * 257}, "stop", "at most 256 characters, got one of 257"),
+        ({"extra_body": {"stop_token_ids": list(range(257))}}, "stop_token_ids", "at most 256 stop token ids"),
+    ],
+)
+def test_stop_lists_over_the_caps_are_400s(client, kwargs, param, fragment):
+    """Issue 19: unbounded stop lists stalled a replica; now a 400 names the field and the cap."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **kwargs)
+    assert fragment in info.value.body["message"] and info.value.body["param"] == param
+    assert len(info.value.body["message"]) < 2000
+
+
+def test_text_too_long_to_fit_is_a_400_before_encoding(base_url, client, offline):
+    """Text past max_model_len x the longest vocabulary entry cannot fit: refused before it is
+    encoded, by /tokenize too (issue 19), and by the offline engine."""
+    from pagedserve.engine.tokenizer import longest_token_chars
+
+    limit = MAX_MODEL_LEN * longest_token_chars(offline.get_tokenizer())
+    text = "a" * (limit + 1)
+    fragment = f"prompt: {limit + 1} characters, more than the {limit} that can fit in max_model_len={MAX_MODEL_LEN} tokens"
+    response = requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=30)
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
+    assert response.json()["error"]["param"] == "prompt"
+    chat = requests.post(f"{base_url}/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=30)
+    assert chat.status_code == 400 and "messages: " in chat.json()["error"]["message"], chat.text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=text, max_tokens=2)
+    assert fragment in info.value.body["message"] and info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2)
+    assert "messages: " in info.value.body["message"] and info.value.body["param"] == "messages"
+    with pytest.raises(ValueError, match=fragment):
+        offline.generate(text, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "a" * 100}, timeout=30).status_code == 200
+
+
 def test_malformed_json_and_unknown_model(base_url, client):
     response = requests.post(f"{base_url}/v1/chat/completions", data=b"{not json", headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

@@ -127,3 +127,25 @@ def test_another_value_error_is_a_400_naming_no_field(monkeypatch):
     with pytest.raises(APIError) as info:
         _sampling_params(request, None, None)
     assert info.value.param is None and info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("stop", ["s"] * 17, "at most 16 stop strings are allowed, got 17"),
+        ("stop", ["s"] * 200_000, "at most 16 stop strings are allowed, got 200000"),
+        ("stop", "x" * 257, "at most 256 characters, got one of 257"),
+        ("stop", ["ok", "x" * 257], "at most 256 characters, got one of 257"),
+        ("stop_token_ids", list(range(257)), "at most 256 stop token ids are allowed, got 257"),
+    ],
+)
+def test_stop_lists_are_capped(field, value, fragment):
+    """The HTTP check, before SamplingParams: a 400 that names the OpenAI field (issue 19)."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        body = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+        with pytest.raises(ValidationError) as info:
+            model(model="m", **body, **{field: value})
+        (error,) = info.value.errors()
+        assert error["loc"] == (field,) and fragment in error["msg"]
+    at_cap = CompletionRequest(model="m", prompt="x", stop=["x" * 256] * 16, stop_token_ids=list(range(256)))
+    assert len(at_cap.sampling_params(4, None).stop) == 16

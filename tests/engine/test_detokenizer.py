@@ -6,9 +6,11 @@ stop tokens, ids past the vocabulary and special tokens.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from pagedserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE = "Café naïve 日本語 is 🙂 fun; über 🎉 done."
@@ -210,3 +212,72 @@ def test_cumulative_output_shorter_than_hold_back_shows_nothing(tokenizer):
     assert detok.get_next_output_text(finished=False, delta=False) == ""
     assert detok.get_next_output_text(finished=False, delta=True) == ""
     assert detok.get_next_output_text(finished=True, delta=False) == "hel"
+
+
+# ---- one pass over the new text (issue 19: 200k stop strings cost 50 ms per token) ----------
+
+
+def naive_find_stop(stop: list[str], text: str, new_text_start: int) -> tuple[int, str] | None:
+    """The detokenizer's former search, the reference: one `str.find` per stop string."""
+    best = None
+    for s in stop:
+        index = text.find(s, max(0, new_text_start - len(s) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, s)
+    return best
+
+
+# A tiny alphabet, so stop strings overlap, repeat, share prefixes and straddle updates often.
+_TEXT = st.text(alphabet="ab日🙂", max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stop=st.lists(st.text(alphabet="ab日🙂", min_size=1, max_size=5), min_size=1, max_size=6), chunks=st.lists(_TEXT, max_size=12))
+def test_stop_matcher_equals_one_find_per_stop_string(stop, chunks):
+    """Text grows chunk by chunk, as the detokenizer's does: after every chunk both searches give
+    the same stop string at the same index (earliest wins, ties to the first listed), or none."""
+    matcher, text = StopMatcher(stop), ""
+    for chunk in chunks:
+        start, text = len(text), text + chunk
+        expected = naive_find_stop(stop, text, start)
+        assert matcher.find(text, start) == expected, (stop, text, start)
+        if expected is not None:
+            return
+
+
+@settings(max_examples=200, deadline=None)
+@given(stop=st.lists(st.text(alphabet="ab", min_size=1, max_size=4), min_size=1, max_size=4), text=st.text(alphabet="ab", max_size=20), data=st.data())
+def test_stop_matcher_equals_naive_on_any_text_and_start(stop, text, data):
+    """Even on text that already holds a stop string before the window (which the detokenizer
+    never produces: it would have stopped), the answers agree."""
+    start = data.draw(st.integers(0, len(text)))
+    assert StopMatcher(stop).find(text, start) == naive_find_stop(stop, text, start)
+
+
+def test_detokenizer_truncates_as_the_naive_search_would(tokenizer):
+    text = "aXbXab ab abab XX end"
+    stops = [["ab", "b"], ["b", "ab"], ["XX", "X"], ["end", "d"], ["Xa"]]
+    for stop in stops:
+        for include in (False, True):
+            found_index, found = naive_find_stop(stop, text, 0) or (None, None)
+            deltas, got = stream(make(tokenizer, stop=stop, include_stop_str_in_output=include), encode(tokenizer, text))
+            assert got == found
+            assert "".join(deltas) == text[: found_index + (len(found) if include else 0)], (stop, include)
+
+
+def test_per_step_stop_search_does_not_grow_with_the_output(tokenizer):
+    """With the most stop strings allowed, at their longest, each step searches its new text plus
+    the longest stop string's overlap: the 2,000th token costs what the 20th did."""
+    stop = [chr(0x4E00 + i) * MAX_STOP_STRING_CHARS for i in range(MAX_STOP_STRINGS)]  # never generated
+    detok = make(tokenizer, stop=stop)
+    token_ids = encode(tokenizer, "the quick brown fox jumps over the lazy dog. " * 200)
+    scanned, new_chars = [], []
+    for token_id in token_ids[:2000]:
+        before_chars, before_scanned = len(detok.output_text), detok.stop_matcher.num_scanned_chars
+        assert detok.update([token_id], False) is None
+        scanned.append(detok.stop_matcher.num_scanned_chars - before_scanned)
+        new_chars.append(len(detok.output_text) - before_chars)
+    assert len(detok.output_text) > 4000  # far past the 255-character overlap
+    overlap = MAX_STOP_STRING_CHARS - 1
+    assert all(s <= n + overlap for s, n in zip(scanned, new_chars))
+    assert max(scanned[-500:]) <= max(scanned[100:600])  # flat once the text passes the overlap

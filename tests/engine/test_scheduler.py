@@ -358,3 +358,35 @@ def test_finished_output_reports_reason_and_frees_blocks_at_once():
     _, core = step(sched, worker)
     assert [(c.finish_reason, c.stop_token_id) for c in core] == [(FinishReason.STOP, 99)]
     assert_no_leak(sched)  # freed in update_from_output, not at the next schedule
+
+
+class _Unscannable(list):
+    """A stop_token_ids list that fails if scanned: the scheduler must use the Request's set."""
+
+    def __contains__(self, item):
+        raise AssertionError("the scheduler scanned stop_token_ids")
+
+    def __iter__(self):
+        raise AssertionError("the scheduler scanned stop_token_ids")
+
+
+def test_stop_token_ids_are_looked_up_in_the_requests_set():
+    sched, worker = make_scheduler(), _scripted({"a": [5, 6, 99]})
+    request = make_request("a", prompt(0, 5), max_tokens=10, stop_token_ids=list(range(90, 346)))
+    request.sampling_params.stop_token_ids = _Unscannable(request.sampling_params.stop_token_ids)
+    sched.add_request(request)
+    run_to_completion(sched, worker)
+    assert (request.output_token_ids, request.stop_token_id) == ([5, 6, 99], 99)
+    assert_no_leak(sched)
+
+
+def test_new_request_data_carries_only_the_samplers_fields():
+    """Stop strings stay in the engine: the step sent to every rank holds the sampler's record."""
+    import pickle
+
+    sched = make_scheduler()
+    sched.add_request(make_request("a", prompt(0, 5), stop=["x" * 256] * 16, stop_token_ids=list(range(256)), temperature=0.5))
+    (new,) = sched.schedule().scheduled_new_reqs
+    assert not hasattr(new.sampling_params, "stop") and new.sampling_params.stop_token_ids == ()
+    assert new.sampling_params.temperature == 0.5
+    assert len(pickle.dumps(new)) < 1000  # 16 x 256 characters of stop strings would be > 4 KB

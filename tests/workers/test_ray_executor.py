@@ -253,6 +253,47 @@ def test_abort_outputs_when_the_engine_dies(ray_cluster, parallel_models):
         llm.shutdown()
 
 
+def _step_size(num_prompt_tokens: int, req_id: str) -> int:
+    """The pickled size of a step that schedules one new request of that many prompt tokens."""
+    import pickle
+
+    from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = NewRequestData(req_id, [300] * num_prompt_tokens, num_prompt_tokens, greedy().sampler_params(), list(range(16)), 0)
+    step = SchedulerOutput([new], CachedRequestData(), {req_id: num_prompt_tokens}, num_prompt_tokens, set())
+    return len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_step_over_the_channel_limit_is_split_not_a_dead_worker(ray_cluster, parallel_models, monkeypatch):
+    """Issue 19's poison batch: a step past the channel's size limit was taken for a dead worker,
+    rebuilt and resent until the engine died. Now it runs in parts; a request too large even
+    alone is ended ("abort") while the others finish exactly; no worker restarts."""
+    from pagedserve.workers import step_channel
+
+    folder, hf = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, max_worker_restarts=0)
+    try:
+        # Each 120-token prompt fits alone, no two do; the 250-token one does not fit at all.
+        monkeypatch.setattr(step_channel, "MAX_MESSAGE_BYTES", _step_size(120, "fits-0") + 100)
+        assert 2 * _step_size(120, "fits-0") > step_channel.MAX_MESSAGE_BYTES + 300
+        prompts = {f"fits-{i}": [256 + (7 * i + j) % 250 for j in range(120)] for i in range(4)}
+        prompts["too-large"] = [300 + j % 200 for j in range(250)]
+        for request_id, token_ids in prompts.items():
+            llm.llm_engine.add_request(request_id, {"prompt_token_ids": token_ids}, greedy(8))
+        finals = {}
+        while llm.llm_engine.has_unfinished_requests():
+            finals.update({o.request_id: o.outputs[0] for o in llm.llm_engine.step() if o.finished})
+        assert set(finals) == set(prompts)
+        assert finals["too-large"].finish_reason == "abort" and finals["too-large"].token_ids == []
+        for i in range(4):
+            assert finals[f"fits-{i}"].token_ids == hf.greedy(prompts[f"fits-{i}"], 8), i
+        assert llm.llm_engine.num_worker_restarts == 0 and not llm.llm_engine.is_dead
+        monkeypatch.undo()
+        assert_matches_hf(llm, hf)  # and it keeps serving
+    finally:
+        llm.shutdown()
+
+
 def test_load_failure_leaves_no_actors_or_placement_groups(ray_cluster, parallel_models, tmp_path):
     import shutil
 
