@@ -46,6 +46,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # A grammar the completion must follow (JSON schema, regex, choice, EBNF...); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -116,6 +118,7 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             _fail("structured_outputs", so, "a StructuredOutputsParams or None")
+        self._check_logit_bias()
         stop = self.stop
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
@@ -130,6 +133,19 @@ class SamplingParams:
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
         ):
             _fail("stop_token_ids", ids, "a list of non-negative token ids")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            _fail("logit_bias", bias, "a dict of token id -> bias, or None")
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                _fail("logit_bias", token_id, "non-negative integer token ids as keys")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                _fail("logit_bias", value, "biases between -100 and 100")
+        self.logit_bias = {token_id: float(value) for token_id, value in bias.items()} or None
 
     def _check_ranges(self) -> None:
         if self.n < 1:

@@ -95,6 +95,9 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _check_resume(self, resume: ResumeState, num_prompt_tokens: int, params: SamplingParams) -> None:
         """A resumed request must still have a token to generate, inside every limit."""

@@ -39,6 +39,7 @@ class SamplingBatch:
     seeds: dict[int, int] = field(default_factory=dict)  # row -> per-step seed of a seeded request
     penalties: Penalties | None = None
     banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # row -> (ids, biases)
     num_logprobs: list[int | None] | None = None  # per row; None when no row asked
 
 
@@ -59,8 +60,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
-        if batch.banned_tokens or batch.penalties is not None:
+        if batch.banned_tokens or batch.penalties is not None or batch.logit_bias:
             logits = logits.clone()
+            _add_logit_bias(logits, batch.logit_bias)
             _ban_tokens(logits, batch.banned_tokens)
             if batch.penalties is not None:
                 _apply_penalties(logits, batch.penalties)
@@ -141,6 +143,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[list[int], list[float]]]) -> None:
+    """OpenAI's logit_bias: added to the raw logits (before penalties, as vLLM does); logprobs
+    stay those of the unbiased model."""
+    for row, (token_ids, values) in bias.items():
+        logits[row, token_ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
 
 def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
