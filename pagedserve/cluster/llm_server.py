@@ -96,7 +96,7 @@ class LLMServer:
             return
         try:
             if isinstance(prompt, dict) and "messages" in prompt:
-                prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+                prompt = render_chat(self.llm.tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True), prompt.get("tools"))
             outputs = self.llm.generate(prompt, params, request_id, resume)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)

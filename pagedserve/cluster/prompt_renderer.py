@@ -45,7 +45,7 @@ class PromptRenderer:
         if isinstance(prompt, str):
             return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
         if isinstance(prompt, dict) and "messages" in prompt:
-            return render_chat(tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True))
+            return render_chat(tokenizer, prompt["messages"], None, prompt.get("add_generation_prompt", True), prompt.get("tools"))
         return prompt
 
     async def _tokenizer(self) -> Any:
