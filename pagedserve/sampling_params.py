@@ -255,8 +255,9 @@ class StructuredOutputsParams:
 
         value = getattr(self, self.kind)
         if self.kind == "json":
+            # Key order is kept: a schema's property order is the order the JSON is generated in.
             schema = _json.loads(value) if isinstance(value, str) else value
-            return _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return _json.dumps(schema, separators=(",", ":"))
         if self.kind == "choice":
             return _json.dumps(value)
         if self.kind == "json_object":

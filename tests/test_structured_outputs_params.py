@@ -22,8 +22,11 @@ def test_each_kind_is_accepted_and_named():
 
 def test_json_as_text_or_dict_gives_one_cache_key():
     a = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
-    b = StructuredOutputsParams(json='{"required": ["a"], "type": "object"}')
+    b = StructuredOutputsParams(json='{"type": "object",  "required": ["a"]}')
     assert a.cache_key() == b.cache_key()
+    # Property order is generation order: another order is another grammar.
+    reordered = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    assert reordered.cache_key() != a.cache_key()
     c = StructuredOutputsParams(json={"type": "object", "required": ["a"]},
                                 disable_any_whitespace=False)
     assert c.cache_key() != a.cache_key()

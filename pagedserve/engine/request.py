@@ -24,6 +24,7 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured-output grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -84,6 +85,8 @@ class Request:
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].
         self.num_tokens_on_workers = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, filled lazily
+        # Its structured-output grammar and matcher (engine/structured_outputs), or None.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
