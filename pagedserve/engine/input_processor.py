@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.structured_outputs.validation import validate_structured_outputs
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids" (a list of ids).
@@ -95,6 +96,8 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:  # a spec no backend takes fails here, alone
+            validate_structured_outputs(params.structured_outputs, self.engine_config.structured_outputs_backend)
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
