@@ -50,3 +50,17 @@ def test_defaults_fill_only_omitted_fields():
     assert params.temperature == 0.0  # the request's own
     omitted = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}]).sampling_params(8, None, defaults)
     assert (omitted.temperature, omitted.top_p) == (0.2, 0.9)
+
+
+def test_demo_folder_carries_smollm2s_recommended_sampling(tmp_path):
+    from pagedserve.demo import write_recommended_sampling
+
+    folder_with(tmp_path, {"eos_token_id": 2, "temperature": 1.0})
+    write_recommended_sampling(tmp_path)
+    written = json.loads((tmp_path / "generation_config.json").read_text())
+    assert written == {"eos_token_id": 2, "temperature": 0.2, "top_p": 0.9}
+    assert read_generation_defaults(tmp_path) == {"temperature": 0.2, "top_p": 0.9}
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    write_recommended_sampling(fresh)  # a folder without the file gets one
+    assert read_generation_defaults(fresh) == {"temperature": 0.2, "top_p": 0.9}
