@@ -14,11 +14,20 @@ from pagedserve.sampling_params import StructuredOutputsParams
 
 
 class GuidanceMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any):
+    """llguidance stops as soon as nothing but EOS may follow (after a JSON object's `}`); here,
+    as with xgrammar, the grammar terminates only once that stop token is sampled too. So the
+    last token of a grammar-ended request is always a stop token, as the front end assumes."""
+
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]):
         self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
+        self.is_stop_accepted = False
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            return False
+        self.is_stop_accepted = token_id in self.stop_token_ids and self.matcher.is_stopped()
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         import llguidance.torch
@@ -26,7 +35,7 @@ class GuidanceMatcher(GrammarMatcher):
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_stopped()
+        return self.is_stop_accepted
 
 
 class GuidanceBackend(GrammarBackend):
@@ -36,12 +45,18 @@ class GuidanceBackend(GrammarBackend):
         import llguidance.hf
 
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, vocab_size, eos_token=list(stop_token_ids) or None)
+        self.stop_token_ids = frozenset(stop_token_ids)
 
     @staticmethod
     def check(params: StructuredOutputsParams) -> None:
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(to_grammar(params), None)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(to_grammar(params), None)
+        except ValueError as conversion_error:  # ours name the field already
+            error = str(conversion_error)
+            if error.startswith("StructuredOutputsParams."):
+                raise
         if error:
             raise ValueError(f"StructuredOutputsParams.{params.kind} is invalid for llguidance: {_short(error)}")
 
@@ -60,7 +75,7 @@ class GuidanceBackend(GrammarBackend):
         matcher = llguidance.LLMatcher(self.tokenizer, compiled)
         if matcher.is_error():
             raise ValueError(f"llguidance could not start the grammar: {_short(matcher.get_error())}")
-        return GuidanceMatcher(matcher)
+        return GuidanceMatcher(matcher, self.stop_token_ids)
 
 
 def to_grammar(params: StructuredOutputsParams) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+
 from pagedserve.engine.structured_outputs.backend import GrammarBackend
 from pagedserve.engine.structured_outputs.guidance_backend import GuidanceBackend
 from pagedserve.engine.structured_outputs.xgrammar_backend import XgrammarBackend
@@ -11,6 +14,23 @@ BACKENDS: dict[str, type[GrammarBackend]] = {"xgrammar": XgrammarBackend, "guida
 
 
 def resolve_backend_name(params: StructuredOutputsParams, setting: str) -> str:
+    """`_resolve`, remembered per spec: schemas repeat, and each request is checked twice (where it
+    enters and in the engine core)."""
+    return _resolve_cached(params.cache_key(), setting)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolve_cached(key: tuple, setting: str) -> str:
+    kind, spec, disable_any_whitespace, disable_additional_properties = key
+    value = {"choice": json.loads(spec) if kind == "choice" else None, "json_object": True}.get(kind, spec)
+    params = StructuredOutputsParams(
+        **{kind: value}, disable_any_whitespace=disable_any_whitespace,
+        disable_additional_properties=disable_additional_properties,
+    )
+    return _resolve(params, setting)
+
+
+def _resolve(params: StructuredOutputsParams, setting: str) -> str:
     """The backend for this spec under the engine's `structured_outputs_backend` setting. "auto"
     is xgrammar, or llguidance for a spec xgrammar cannot take (a Lark grammar, a schema feature
     it lacks). Raises ValueError naming the field and why when no allowed backend takes it."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -93,6 +94,10 @@ def _structural_tag(xgr: Any, text: str) -> Any:
     return xgr.Grammar.from_structural_tag(text)
 
 
+# xgrammar prefixes its messages with "[07:11:32] /project/cpp/regex_converter.cc:83: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
 def _first_lines(error: BaseException, limit: int = 400) -> str:
-    text = str(error).strip()
+    text = _LOG_PREFIX.sub("", str(error).strip())
     return text if len(text) <= limit else text[: limit - 3] + "..."
