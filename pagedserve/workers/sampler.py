@@ -70,7 +70,7 @@ class Sampler:
             _add_logit_bias(logits, batch.logit_bias)
             if batch.grammar_rows is not None:
                 apply_grammar(logits, batch.grammar_rows, batch.grammar_allowed)
-            _ban_tokens(logits, batch.banned_tokens)
+            _ban_tokens(logits, batch.banned_tokens, is_constrained=batch.grammar_rows is not None)
             if batch.penalties is not None:
                 _apply_penalties(logits, batch.penalties)
         sampled = self._sample(logits, batch)
@@ -159,13 +159,13 @@ def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[list[int], list[
         logits[row, token_ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
 
-def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]], is_constrained: bool = False) -> None:
     for row, token_ids in banned.items():
-        kept = logits[row, token_ids]
+        kept = logits[row, token_ids] if is_constrained else None  # (advanced indexing: a copy)
         logits[row, token_ids] = float("-inf")
         # A grammar that allows only the banned stop tokens (min_tokens not reached, the grammar
         # complete): the grammar wins, or the row could sample nothing.
-        if bool(torch.isneginf(logits[row]).all()):
+        if is_constrained and bool(torch.isneginf(logits[row]).all()):
             logits[row, token_ids] = kept
 
 
