@@ -18,7 +18,7 @@ from pagedserve.cluster.serving_options import ServingOptions
 from pagedserve.cluster.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedserve.cluster.structured_requests import FieldError
 from pagedserve.cluster.tool_parsers import ParsedCall, ToolParser, get_tool_parser
-from pagedserve.cluster.tool_parsers.json_calls import JsonToolParser
+from pagedserve.cluster.tool_formats import forced_call_parser
 from pagedserve.cluster.tool_requests import NamedToolChoice, ToolChoice
 
 
@@ -34,7 +34,7 @@ class ChatOutput:
         self.is_named = isinstance(tool_choice, NamedToolChoice)
         self.tools: ToolParser | None = None
         if has_tools and (self.is_named or tool_choice == "required"):
-            self.tools = JsonToolParser()  # the forced call's grammar writes plain JSON
+            self.tools = forced_call_parser(options.tool_call_parser)  # the format the grammar writes
         elif has_tools and tool_choice == "auto":
             if not options.enable_auto_tool_choice or options.tool_call_parser is None:
                 raise FieldError(

@@ -21,6 +21,7 @@ from pagedserve.cluster.handover import ResumingClient, merge_streams
 from pagedserve.cluster.llm_server import ErrorInfo, Handover
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.cluster.serving_options import ServingOptions
+from pagedserve.cluster.tool_formats import forced_call_spec
 from pagedserve.cluster.tool_requests import template_tools
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
@@ -122,8 +123,8 @@ class OpenAIServing:
         return await self._final("text_completion", response_id, request.n, started, choice)
 
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-        forced_schema, output = _chat_output(request, self.options)
-        params = _sampling_params(request, request.max_output_tokens, request.num_logprobs, await self._defaults(), forced_schema)
+        forced_spec, output = _chat_output(request, self.options)
+        params = _sampling_params(request, request.max_output_tokens, request.num_logprobs, await self._defaults(), forced_spec)
         if output.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         response_id = fmt.new_id("chatcmpl")
@@ -243,10 +244,10 @@ async def _merge(started: list[_Started]) -> AsyncIterator[tuple[int, RequestOut
 
 
 def _sampling_params(
-    request: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_schema: dict | None = None
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_spec: dict | None = None
 ) -> SamplingParams:
     try:
-        return request.sampling_params(max_tokens, logprobs, defaults, forced_schema)
+        return request.sampling_params(max_tokens, logprobs, defaults, forced_spec)
     except ValueError as error:
         message = str(error)
         param = message.split("=")[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
@@ -254,10 +255,11 @@ def _sampling_params(
 
 
 def _chat_output(request: ChatCompletionRequest, options: ServingOptions) -> tuple[dict | None, ChatOutput]:
-    """The schema a forced tool call imposes, and the parsers of the reply (400 on bad tools)."""
+    """The constraint a forced tool call imposes, and the parsers of the reply (400 on bad tools)."""
     try:
-        forced_schema = request.forced_tool_schema()
-        return forced_schema, ChatOutput(options, request.effective_tool_choice, bool(request.tools))
+        forced = request.forced_tool_call()
+        spec = forced_call_spec(forced, options.tool_call_parser, request.is_compact_json) if forced is not None else None
+        return spec, ChatOutput(options, request.effective_tool_choice, bool(request.tools))
     except ValueError as error:
         raise APIError(400, str(error), param=getattr(error, "param", None)) from None
 

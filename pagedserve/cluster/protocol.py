@@ -10,7 +10,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.cluster.structured_requests import FieldError, ResponseFormat, StructuredOutputsField, structured_outputs_params
-from pagedserve.cluster.tool_requests import ChatTool, ToolCall, ToolChoice, check_tools, forced_call_schema, resolved_tool_choice
+from pagedserve.cluster.tool_requests import ChatTool, ForcedCall, ToolCall, ToolChoice, check_tools, forced_call, resolved_tool_choice
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit
@@ -64,11 +64,11 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_schema: dict | None = None
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_spec: dict | None = None
     ) -> SamplingParams:
         """Raises ValueError (naming the field) for values SamplingParams does not allow.
         `defaults`: the model's generation config, for the fields the request omits;
-        `forced_schema`: the JSON schema a forced tool call imposes."""
+        `forced_spec`: the constraint a forced tool call imposes (tool_formats.py)."""
         optional = {**(defaults or {})}
         optional.update({name: value for name, value in {
             "temperature": self.temperature,
@@ -91,7 +91,7 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs, forced_schema),
+            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs, forced_spec),
             logit_bias=self.token_logit_bias(),
             **optional,
         )
@@ -218,10 +218,14 @@ class ChatCompletionRequest(SamplingFields):
     def effective_tool_choice(self) -> ToolChoice:
         return resolved_tool_choice(self.tools, self.tool_choice)
 
-    def forced_tool_schema(self) -> dict[str, Any] | None:
-        """Checks the tools' bounds (FieldError), then the schema a forced call imposes."""
+    def forced_tool_call(self) -> ForcedCall | None:
+        """Checks the tools' bounds (FieldError), then the call(s) tool_choice forces."""
         check_tools(self.tools, self.tool_choice)
-        return forced_call_schema(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+        return forced_call(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+
+    @property
+    def is_compact_json(self) -> bool:
+        return self.structured_outputs is None or self.structured_outputs.disable_any_whitespace
 
     @property
     def max_output_tokens(self) -> int | None:

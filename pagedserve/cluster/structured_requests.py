@@ -84,15 +84,15 @@ class StructuredOutputsField(BaseModel):
 def structured_outputs_params(
     response_format: ResponseFormat | None, field: StructuredOutputsField | None, forced: dict[str, Any] | None = None
 ) -> StructuredOutputsParams | None:
-    """The engine's constraint for a request, or None for free text. `forced`: a JSON schema a
-    forced tool call imposes (tool_choice required or named). Raises FieldError."""
+    """The engine's constraint for a request, or None for free text. `forced`: the constraint
+    (kind -> spec) a forced tool call imposes (tool_choice required or named). Raises FieldError."""
     kinds: dict[str, tuple[str, dict[str, Any]]] = {}  # request field -> (its name for the 400, kind)
     if response_format is not None and response_format.type != "text":
         kinds["response_format"] = ("response_format", _from_response_format(response_format))
     if field is not None and field.kinds():
         kinds["structured_outputs"] = ("structured_outputs", field.kinds())
     if forced is not None:
-        kinds["tool_choice"] = ("tool_choice", {"json": forced})
+        kinds["tool_choice"] = ("tool_choice", forced)
     if len(kinds) > 1:
         names = " and ".join(kinds)
         raise FieldError(next(iter(kinds)), f"{names} each constrain the output; give only one")

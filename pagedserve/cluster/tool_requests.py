@@ -3,13 +3,14 @@
 
 `tool_choice`: "none" (free text, tools still in the prompt), "auto" (free text, then the
 server's --tool-call-parser looks for calls), "required" or a named function (a grammar makes
-the output a valid call: a JSON object {"name": ..., "arguments": {...}}, or a list of them when
-`parallel_tool_calls` is true and the choice is "required").
+the output a valid call: one, or one or more when `parallel_tool_calls` is true and the choice
+is "required"; tool_formats.py writes them in the model's format).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,16 +98,28 @@ def resolved_tool_choice(tools: list[ChatTool] | None, tool_choice: ToolChoice |
     return "auto" if tools else "none"
 
 
-def forced_call_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> dict[str, Any] | None:
-    """The JSON schema of the output when the request forces a call; None when it does not."""
+@dataclass(frozen=True)
+class ForcedCall:
+    """What a forced tool_choice makes the reply: one call, or one or more (tool_formats.py
+    writes them in the model's format)."""
+
+    call_schema: dict[str, Any]  # the JSON schema of one call
+    is_list: bool  # "required" with parallel_tool_calls: one or more calls
+
+    def json_schema(self) -> dict[str, Any]:
+        """The plain JSON form: the call object, or a list of them."""
+        return {"type": "array", "items": self.call_schema, "minItems": 1} if self.is_list else self.call_schema
+
+
+def forced_call(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> ForcedCall | None:
+    """The call(s) the request forces; None when it forces none."""
     if isinstance(tool_choice, NamedToolChoice):
         chosen = next(tool for tool in tools if tool.function.name == tool_choice.function.name)
-        return _call_schema(chosen.function)
+        return ForcedCall(_call_schema(chosen.function), False)
     if tool_choice != "required":
         return None
     calls = [_call_schema(tool.function) for tool in tools]
-    one_call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "items": one_call, "minItems": 1} if parallel_tool_calls else one_call
+    return ForcedCall(calls[0] if len(calls) == 1 else {"anyOf": calls}, parallel_tool_calls)
 
 
 def _call_schema(function: FunctionDefinition) -> dict[str, Any]:

@@ -166,3 +166,39 @@ def test_agent_loop_messages():
     assert result == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
     with pytest.raises(ValidationError, match="only allowed on assistant"):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x", "tool_calls": []}])
+
+
+# ---- forced calls in the model's format ----------------------------------------------------
+
+
+def hermes_spec(**fields) -> tuple[str, object]:
+    options = ServingOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    spec, output = _chat_output(chat(tools=[tool("f", SCHEMA), tool("g")], **fields), options)
+    return spec["grammar"], output
+
+
+def accepts(grammar: str, text: str) -> bool:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar), text)
+
+
+def test_hermes_server_forces_calls_in_tool_call_tags():
+    grammar, output = hermes_spec(tool_choice="required")
+    call_f, call_g = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert accepts(grammar, call_f) and accepts(grammar, f"{call_f}\n{call_g}")  # parallel: one or more blocks
+    assert not accepts(grammar, '{"name": "f", "arguments": {"a": 1}}')  # not bare JSON
+    assert not accepts(grammar, '<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call>')  # the schema holds
+    assert not accepts(grammar, '<tool_call>\n{"name": "f",  "arguments": {"a": 1}}\n</tool_call>')  # compact
+    assert output.tools.name == "hermes"
+    message, finish = output.message(f"{call_f}\n{call_g}", "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f", "g"] and finish == "tool_calls"
+
+
+def test_hermes_named_call_is_one_block_and_free_whitespace_is_opt_in():
+    grammar, _ = hermes_spec(tool_choice={"type": "function", "function": {"name": "f"}})
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert accepts(grammar, call) and not accepts(grammar, f"{call}\n{call}")
+    grammar, _ = hermes_spec(tool_choice="required", structured_outputs={"disable_any_whitespace": False})
+    assert accepts(grammar, '<tool_call>\n{ "name" : "f",\n "arguments": {"a": 1} }\n</tool_call>')
