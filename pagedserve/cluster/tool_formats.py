@@ -15,6 +15,7 @@ import json
 import re
 from typing import Any
 
+from pagedserve.cluster.structured_requests import FieldError
 from pagedserve.cluster.tool_parsers import ToolParser
 from pagedserve.cluster.tool_parsers.hermes import END, START, HermesToolParser
 from pagedserve.cluster.tool_parsers.json_calls import JsonToolParser
@@ -37,7 +38,11 @@ def forced_call_parser(tool_call_parser: str | None) -> ToolParser:
 def hermes_grammar(forced: ForcedCall, compact: bool) -> str:
     import xgrammar as xgr
 
-    call_json = str(xgr.Grammar.from_json_schema(json.dumps(forced.call_schema), any_whitespace=not compact))
+    try:
+        call_json = str(xgr.Grammar.from_json_schema(json.dumps(forced.call_schema), any_whitespace=not compact))
+    except (ValueError, RuntimeError) as error:  # xgrammar reports a bad schema as either
+        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+        raise FieldError("tools", f"a function's parameters are not a JSON schema xgrammar takes: {reason}") from None
     # xgrammar names the schema's start rule `root`; ours frames it, so it is renamed (rules
     # derived from it, root_0 and the like, keep their names).
     call_json = re.sub(r"^root ::=", "call_json ::=", call_json, flags=re.MULTILINE)

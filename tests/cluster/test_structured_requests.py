@@ -202,3 +202,11 @@ def test_hermes_named_call_is_one_block_and_free_whitespace_is_opt_in():
     assert accepts(grammar, call) and not accepts(grammar, f"{call}\n{call}")
     grammar, _ = hermes_spec(tool_choice="required", structured_outputs={"disable_any_whitespace": False})
     assert accepts(grammar, '<tool_call>\n{ "name" : "f",\n "arguments": {"a": 1} }\n</tool_call>')
+
+
+def test_hermes_frame_refuses_a_bad_parameters_schema_naming_tools():
+    options = ServingOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    request = chat(tools=[tool("f", {"type": "object", "properties": {"a": {"type": 5}}})], tool_choice="required")
+    with pytest.raises(APIError) as error:
+        _chat_output(request, options)
+    assert error.value.status == 400 and error.value.param == "tools"
