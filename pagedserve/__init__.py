@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineConfig": "pagedserve.config",
     "SamplingParams": "pagedserve.sampling_params",
     "RequestOutputKind": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.engine.request_output",
     "CompletionOutput": "pagedserve.engine.request_output",
     "Logprob": "pagedserve.engine.request_output",
@@ -31,7 +32,11 @@ if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestOutput
     from pagedserve.inputs import TextPrompt, TokensPrompt
-    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    from pagedserve.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str):

@@ -87,6 +87,14 @@ class EngineConfig(BaseModel):
         description="Engine requests (each of n samples counts) that may wait for a slot before AsyncLLM (the server) "
         "refuses more (HTTP 503 with Retry-After); None: no limit. Offline LLM.generate queues all its prompts.",
     )
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = Field(
+        "auto",
+        description="Grammar engine for structured outputs (json, regex, choice, grammar): xgrammar, llguidance "
+        "('guidance'), or auto (xgrammar, and llguidance for a spec xgrammar does not support, such as a Lark grammar).",
+    )
+    structured_outputs_compile_timeout_s: float = Field(
+        30.0, gt=0, description="A grammar still compiling after this long fails its request (too costly a spec)."
+    )
 
     @field_validator("block_size")
     @classmethod

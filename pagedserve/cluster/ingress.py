@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from pagedserve.cluster.cached_result import CachedResult
+from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.http_errors import add_error_handlers
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
+from pagedserve.cluster.serving_options import ServingOptions
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeRequest
 from pagedserve.cluster.request_gate import OPEN_PATHS, RequestGate
 from pagedserve.cluster.serve_engine_client import ServeEngineClient
@@ -74,6 +76,19 @@ def _renderer(handle: Any) -> PromptRenderer:
     return renderer
 
 
+def _generation_defaults(handle: Any, setting: str) -> GenerationDefaults:
+    """The served model's sampling defaults, from the folder the engine's model resolves to."""
+
+    async def model_folder() -> Any:
+        from pagedserve.model_resolver import resolve_checkpoint
+
+        spec = await handle.prompt_spec.remote()
+        checkpoint = await asyncio.to_thread(resolve_checkpoint, spec["model"], spec.get("tokenizer"), spec.get("revision"))
+        return checkpoint.model_path
+
+    return GenerationDefaults(setting, model_folder)
+
+
 def key_digest(key: str) -> str:
     """What the ingress is given instead of the key itself (see `OpenAIIngress.authorize`)."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -95,18 +110,23 @@ class OpenAIIngress:
         limits: dict[str, RequestLimits] | None = None,
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        options: dict[str, ServingOptions] | None = None,
         metrics_require_api_key: bool = False,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
         PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well.
+        `options`: each served model's OpenAI front-end settings (tool and reasoning parsers).
         `metrics_require_api_key`: /metrics needs the key too."""
-        limits = limits or {}
+        limits, options = limits or {}, options or {}
         self.servers = servers  # served model name -> LLMServer handle
-        self.servings = {
-            name: OpenAIServing(name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle))
-            for name, handle in servers.items()
-        }
+        self.servings = {}
+        for name, handle in servers.items():
+            served = options.get(name, ServingOptions())
+            defaults = _generation_defaults(handle, served.generation_config)
+            self.servings[name] = OpenAIServing(
+                name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
+            )
         self.metrics_hub = metrics_hub
         own_key = os.environ.get("PAGEDSERVE_API_KEY")
         digests = [api_key_sha256, key_digest(own_key) if own_key else None]

@@ -100,7 +100,9 @@ class LLMServer:
         prompt's prefix-cache salt stays with it."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if is_chat_prompt(prompt):
-            tokenized = await self.tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True))
+            tokenized = await self.tokenizer.render_chat(
+                prompt["messages"], prompt.get("add_generation_prompt", True), prompt.get("tools")
+            )
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and not is_tokens_prompt(prompt):
             tokenized = tokens_prompt(await self.tokenizer.encode(prompt["prompt"]), prompt["prompt"])
         elif isinstance(prompt, str):

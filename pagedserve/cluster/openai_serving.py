@@ -15,10 +15,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from pagedserve.cluster import openai_format as fmt
+from pagedserve.cluster.chat_output import ChatOutput
+from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.stream_items import ErrorInfo, StreamItem
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pagedserve.cluster.serving_options import ServingOptions
+from pagedserve.cluster.tool_formats import forced_call_spec
+from pagedserve.cluster.tool_requests import template_tools
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
@@ -81,21 +86,30 @@ class PromptRenderer(Protocol):
 
 class OpenAIServing:
     def __init__(
-        self, model_name: str, client: EngineClient, limits: RequestLimits = RequestLimits(), renderer: PromptRenderer | None = None
+        self,
+        model_name: str,
+        client: EngineClient,
+        limits: RequestLimits = RequestLimits(),
+        renderer: PromptRenderer | None = None,
+        options: ServingOptions = ServingOptions(),
+        defaults: GenerationDefaults | None = None,
     ):
         """`renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
-        the request router sees tokens); None: the engine tokenizes."""
+        the request router sees tokens); None: the engine tokenizes. `options`: the server's
+        tool-call and reasoning parsers; `defaults`: the model's sampling defaults."""
         self.model_name = model_name
         # Streams whose replica leaves (a downscale, a redeploy, a drain) go on on another.
         self.client = ResumingClient(client)
         self.limits = limits
         self.renderer = renderer
+        self.options = options
+        self.defaults = defaults
 
     # ---- endpoints -------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, tenant_salt: str | None = None) -> dict | AsyncIterator[str]:
         """`tenant_salt`: the caller's prefix-cache salt when the body gives no `cache_salt`."""
-        params = _sampling_params(request, request.max_tokens, request.logprobs)
+        params = _sampling_params(request, request.max_tokens, request.logprobs, await self._defaults())
         response_id = new_response_id("cmpl")
         try:
             prompts = request.prompts()
@@ -113,23 +127,41 @@ class OpenAIServing:
         return await self._final("text_completion", response_id, request.n, started, choice)
 
     async def chat(self, request: ChatCompletionRequest, tenant_salt: str | None = None) -> dict | AsyncIterator[str]:
-        params = _sampling_params(request, request.max_output_tokens, request.num_logprobs)
+        forced_spec, output = _chat_output(request, self.options)
+        params = _sampling_params(request, request.max_output_tokens, request.num_logprobs, await self._defaults(), forced_spec)
+        if output.keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)
         response_id = new_response_id("chatcmpl")
         self.limits.check(1, request.n, request.top_logprobs, "top_logprobs")
         messages = [m.as_template_message() for m in request.messages]
         prompt = ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt)
+        if request.tools:
+            prompt["tools"] = template_tools(request.tools)
         started = await self._start(response_id, [prompt], params, request.cache_salt or tenant_salt)
         num_top = request.top_logprobs or 0
+        is_parsed = output.reasoning is not None or output.tools is not None
         if request.stream:
+            streams: dict[int, Any] = {}
+
             def chunk_choice(index: int, completion: CompletionOutput, first: bool) -> dict:
-                return fmt.chat_chunk_choice(index, completion, num_top, first)
+                body = fmt.chat_chunk_choice(index, completion, num_top, first)
+                if is_parsed:  # reasoning and tool calls split off the text
+                    delta, body["finish_reason"] = streams.setdefault(index, output.stream()).delta(completion.text, completion.finish_reason)
+                    body["delta"] = {**({"role": "assistant"} if first else {}), **delta}
+                return body
 
             return self._events("chat.completion.chunk", response_id, request, started, chunk_choice)
 
         def choice(index: int, completion: CompletionOutput, first: bool) -> dict:
-            return fmt.chat_choice(index, completion, num_top)
+            body = fmt.chat_choice(index, completion, num_top)
+            if is_parsed:
+                body["message"], body["finish_reason"] = output.message(completion.text, completion.finish_reason)
+            return body
 
         return await self._final("chat.completion", response_id, request.n, started, choice)
+
+    async def _defaults(self) -> dict[str, Any]:
+        return await self.defaults.get() if self.defaults is not None else {}
 
     # ---- engine requests ---------------------------------------------------------------------
 
@@ -226,13 +258,25 @@ def _salted(prompt: Any, cache_salt: str | None) -> Any:
     return {"prompt": prompt, "cache_salt": cache_salt} if isinstance(prompt, str) else {**prompt, "cache_salt": cache_salt}
 
 
-def _sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_spec: dict | None = None
+) -> SamplingParams:
     try:
-        return request.sampling_params(max_tokens, logprobs)
+        return request.sampling_params(max_tokens, logprobs, defaults, forced_spec)
     except SamplingParamError as error:
         raise APIError(400, str(error), param=error.field) from None
+    except ValueError as error:  # a FieldError (structured outputs, tools, logit_bias) names its field
+        raise APIError(400, str(error), param=getattr(error, "param", None)) from None
+
+
+def _chat_output(request: ChatCompletionRequest, options: ServingOptions) -> tuple[dict | None, ChatOutput]:
+    """The constraint a forced tool call imposes, and the parsers of the reply (400 on bad tools)."""
+    try:
+        forced = request.forced_tool_call()
+        spec = forced_call_spec(forced, options.tool_call_parser, request.is_compact_json) if forced is not None else None
+        return spec, ChatOutput(options, request.effective_tool_choice, bool(request.tools))
     except ValueError as error:
-        raise APIError(400, str(error)) from None
+        raise APIError(400, str(error), param=getattr(error, "param", None)) from None
 
 
 async def _close_all(streams: list[AsyncIterator]) -> None:

@@ -47,7 +47,7 @@ class PromptRenderer:
         if isinstance(prompt, str):
             return tokens_prompt(await tokenizer.encode(prompt), prompt)
         if is_chat_prompt(prompt):
-            return await tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True))
+            return await tokenizer.render_chat(prompt["messages"], prompt.get("add_generation_prompt", True), prompt.get("tools"))
         return prompt
 
     async def _tokenizer(self) -> TokenizerThread | None:

@@ -9,6 +9,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.cluster.structured_requests import FieldError, ResponseFormat, StructuredOutputsField, structured_outputs_params
+from pagedserve.cluster.tool_requests import ChatTool, ForcedCall, ToolCall, ToolChoice, check_tools, forced_call, resolved_tool_choice
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, TokensPrompt, tokens_prompt
 from pagedserve.sampling_params import (
     MAX_STOP_STRING_CHARS,
@@ -17,6 +19,8 @@ from pagedserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit
 
 
 def _encodable(value: Any) -> Any:
@@ -81,16 +85,25 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (structured_requests.py): OpenAI's field, then vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (naming the field) for values SamplingParams does not allow."""
-        optional = {
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None, forced_spec: dict | None = None
+    ) -> SamplingParams:
+        """Raises ValueError (naming the field) for values SamplingParams does not allow.
+        `defaults`: the model's generation config, for the fields the request omits;
+        `forced_spec`: the constraint a forced tool call imposes (tool_formats.py)."""
+        optional = {**(defaults or {})}
+        optional.update({name: value for name, value in {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
-        }
+        }.items() if value is not None})
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -105,8 +118,25 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            **{name: value for name, value in optional.items() if value is not None},
+            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs, forced_spec),
+            logit_bias=self.token_logit_bias(),
+            **optional,
         )
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids (the vocabulary bound is the engine's check)."""
+        if not self.logit_bias:
+            return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise FieldError("logit_bias", f"{len(self.logit_bias)} entries exceed the limit of {MAX_LOGIT_BIAS_ENTRIES}")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or len(key) > 9:
+                raise FieldError("logit_bias", f"key {key[:20]!r} is not a token id (a non-negative integer as text)")
+            if not -100 <= value <= 100:
+                raise FieldError("logit_bias", f"bias {value!r} for token {key} is outside [-100, 100]")
+            bias[int(key)] = float(value)
+        return bias
 
     _check_stop = field_validator("stop")(_bounded_stop)
     _check_stop_token_ids = field_validator("stop_token_ids")(_bounded_stop_token_ids)
@@ -133,7 +163,6 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False  # echoing the prompt is not served
     best_of: int | None = None
     suffix: None = None  # insertion is not served
-    logit_bias: dict[str, float] | None = None
 
     _check_prompt = field_validator("prompt")(_encodable)
 
@@ -141,8 +170,6 @@ class CompletionRequest(SamplingFields):
     def _unsupported(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
 
     def prompts(self) -> list[Union[str, TokensPrompt]]:
@@ -167,18 +194,35 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # an assistant's calls (agent loops)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     _check_content = field_validator("content")(_encodable)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -188,18 +232,28 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     add_generation_prompt: bool = True  # vLLM extra
-    tools: None = None  # tool calling is not served
-    tool_choice: None = None
-    response_format: None = None
-    logit_bias: dict[str, float] | None = None
+    tools: list[ChatTool] | None = None  # bounds: tool_requests.check_tools
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        return resolved_tool_choice(self.tools, self.tool_choice)
+
+    def forced_tool_call(self) -> ForcedCall | None:
+        """Checks the tools' bounds (FieldError), then the call(s) tool_choice forces."""
+        check_tools(self.tools, self.tool_choice)
+        return forced_call(self.tools or [], self.effective_tool_choice, self.parallel_tool_calls)
+
+    @property
+    def is_compact_json(self) -> bool:
+        return self.structured_outputs is None or self.structured_outputs.disable_any_whitespace
 
     @property
     def max_output_tokens(self) -> int | None:

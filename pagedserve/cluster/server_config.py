@@ -180,6 +180,21 @@ class ServerConfig(BaseModel):
         description="A stream's tokens that pile up while one chunk is sent go out merged in the next; an idle "
         "stream's go out at once. >0: also wait this long after each chunk (fewer, larger chunks).",
     )
+    # The OpenAI front end (vLLM's flags; docs/structured-outputs.md).
+    enable_auto_tool_choice: bool = Field(
+        False, description='tool_choice "auto": free generation, then --tool-call-parser finds the calls in the text.'
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "json"] | None = Field(
+        None, description="The model's tool-call format, for tool_choice auto (hermes: Qwen2.5/Qwen3; json: a plain JSON call)."
+    )
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="Split the model's <think>...</think> into message.reasoning_content."
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for fields a request omits: 'auto' (the model folder's generation_config.json), "
+        "'vllm' (none: temperature 1.0) or a folder holding a generation_config.json.",
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
 
@@ -188,6 +203,8 @@ class ServerConfig(BaseModel):
         if "model" in self.engine:
             raise ValueError("set the model at the top level ('model:'), not under 'engine:'")
         self.engine_config()  # raises, naming the bad key
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, mistral or json)")
         return self
 
     @model_validator(mode="after")

@@ -32,10 +32,13 @@ class TokenizerThread:
         self.limit.check(len(text), "prompt")
         return await self._run(functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
-        """The conversation through the chat template (engine/chat.py), length-checked first."""
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """The conversation (and its tools) through the chat template (engine/chat.py),
+        length-checked first (the tools have bounds of their own: cluster/tool_requests.py)."""
         self.limit.check(num_message_chars(messages), "messages")
-        return await self._run(functools.partial(render_chat, self.tokenizer, messages, None, add_generation_prompt))
+        return await self._run(functools.partial(render_chat, self.tokenizer, messages, None, add_generation_prompt, tools))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._run(functools.partial(self.tokenizer.decode, token_ids))

@@ -10,6 +10,7 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.tokenizer import TextLimit
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, PromptType
+from pagedserve.engine.structured_outputs.validation import validate_structured_outputs
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -104,6 +105,11 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:  # a spec no backend takes fails here, alone
+            validate_structured_outputs(params.structured_outputs, self.engine_config.structured_outputs_backend)
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _check_resume(self, resume: ResumeState, num_prompt_tokens: int, params: SamplingParams) -> None:
         """A resumed request must still have a token to generate, inside every limit."""

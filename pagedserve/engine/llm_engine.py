@@ -22,6 +22,7 @@ from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_split import merge_outputs, split_step
+from pagedserve.engine.structured_outputs import StructuredOutputManager
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
@@ -56,11 +57,16 @@ class LLMEngine:
         self._consecutive_failures = 0
         self.dead_reason: str | None = None
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
+            config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
             max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            structured_outputs=self.structured_outputs,
         )
         self.input_processor = InputProcessor(self.tokenizer, config, self.model_config)
         self.stats = EngineStats()
@@ -216,6 +222,8 @@ class LLMEngine:
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()
+        if getattr(self, "structured_outputs", None) is not None:
+            self.structured_outputs.shutdown()
 
 
 def _fit_max_model_len(model_config: ModelConfig, requested: int | None, kv_capacity: int) -> ModelConfig:

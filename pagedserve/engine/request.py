@@ -24,6 +24,7 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured-output grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -88,6 +89,8 @@ class Request:
         # The tenant's salt, mixed into the first block's hash: prefix-cache hits stay within a
         # tenant (None: shared with every unsalted request).
         self.cache_salt = cache_salt
+        # Its structured-output grammar and matcher (engine/structured_outputs), or None.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

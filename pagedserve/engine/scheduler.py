@@ -14,18 +14,26 @@ already in the cache). A step gives requests tokens to close that gap, spending 
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
+
+Structured outputs: a constrained request waits in WAITING_FOR_GRAMMAR while its grammar compiles
+(off the loop); the waiting ones behind it go ahead. Each step carries one bitmask row per
+constrained request that samples, and the sampled token then advances its matcher; a matcher
+that terminates ends the request (engine/structured_outputs).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
-from pagedserve.engine.engine_core_output import EngineCoreOutput
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -35,6 +43,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool,
+        structured_outputs=None,
     ):
         """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens)."""
         self.kv_cache_manager = kv_cache_manager
@@ -49,11 +58,17 @@ class Scheduler:
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self._preempted_this_step = False
+        # The grammar engine (a StructuredOutputManager); None: constrained requests are refused.
+        self.structured_outputs = structured_outputs
+        self.num_constrained = 0  # live requests with a grammar: zero skips every grammar step
+        self._grammar_failures: list[EngineCoreOutput] = []  # ended while waiting; reported next update
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        if request.sampling_params.structured_outputs is not None:
+            self._start_grammar(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -132,8 +147,14 @@ class Scheduler:
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
+        skipped: list[Request] = []  # their grammar is still compiling: the others go first
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._is_grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:  # else its grammar failed: it ended alone
+                    skipped.append(request)
+                continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
@@ -152,16 +173,22 @@ class Scheduler:
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
 
+        self.waiting.extendleft(reversed(skipped))
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
         total = self.max_num_batched_tokens - budget
-        return SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted)
+        output = SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted)
+        if self.num_constrained:
+            self._add_grammar_bitmask(output)
+            if not total and skipped:  # nothing to run but compiles: wait for one, do not spin
+                self.structured_outputs.wait_for_any([r.grammar for r in skipped], 0.01)
+        return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         logprobs = runner_output.logprobs or {}
         requests = self.requests
-        outputs = []
+        outputs, self._grammar_failures = self._grammar_failures, []
         any_finished = False
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -172,9 +199,12 @@ class Scheduler:
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token_id(token_id)
+            grammar_status = self._advance_grammar(request, token_id) if request.grammar is not None else None
             finish_reason = None
-            if len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids:  # else it goes on
+            if len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids or grammar_status:  # else it goes on
                 status = self._check_stop(request, token_id)
+                if grammar_status is not None and (status is None or grammar_status == RequestStatus.FINISHED_ABORTED):
+                    status = grammar_status
                 if status is not None:
                     request.status = status
                     self._free(request)
@@ -225,6 +255,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
+        if request.grammar is not None:
+            self.num_constrained -= 1
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -254,3 +286,49 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
         )
 
+
+    # ---- structured outputs (the grammar state itself lives in engine/structured_outputs) -----
+
+    def _start_grammar(self, request: Request) -> None:
+        """Start compiling its grammar (ValueError on a spec no backend takes); it waits meanwhile."""
+        if self.structured_outputs is None:
+            raise ValueError("structured outputs are not enabled on this scheduler")
+        request.grammar = self.structured_outputs.grammar_for(request.sampling_params.structured_outputs)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.num_constrained += 1
+
+    def _is_grammar_ready(self, request: Request) -> bool:
+        """Its matcher is ready (it now waits as any other request); if its grammar failed, the
+        request ends alone with finish_reason "abort" and the reason is logged."""
+        grammar = request.grammar
+        if grammar.poll(request.output_token_ids, time.monotonic()):
+            request.status = RequestStatus.WAITING
+            return True
+        if grammar.error is not None:
+            logger.warning("request %s failed: %s", request.request_id, grammar.error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
+        return False
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """One bitmask row for each constrained request that samples this step (it reaches the
+        end of its known tokens); a prefill chunk short of the end samples nothing."""
+        requests = self.requests
+        constrained = []
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = requests[req_id]
+            if request.grammar is not None and request.num_computed_tokens + num_tokens == request.num_tokens:
+                constrained.append(request)
+        if constrained:
+            output.grammar_req_ids = [r.request_id for r in constrained]
+            output.grammar_bitmask = self.structured_outputs.fill_bitmask([r.grammar for r in constrained])
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed the sampled token to the matcher: STOPPED once the grammar is complete, ABORTED
+        if it refuses the token (the mask allowed nothing the sampler could take)."""
+        grammar = request.grammar
+        if not grammar.accept(token_id):
+            logger.warning("request %s failed: %s", request.request_id, grammar.error)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None

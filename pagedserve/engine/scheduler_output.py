@@ -8,6 +8,7 @@ for the rest, because this is sent to every worker every iteration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import SamplerParams
 
@@ -65,6 +66,11 @@ class SchedulerOutput:
     # Requests preempted this step (blocks freed, to be recomputed): workers drop their state
     # too, and the request comes back later in scheduled_new_reqs.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the requests of this step that sample under a grammar, and one packed
+    # row each of allowed next tokens (numpy int32 [len(grammar_req_ids), ceil(vocab / 32)]; bit i
+    # of word i // 32 set: token i allowed). None when no sampling request is constrained.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

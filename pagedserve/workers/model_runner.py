@@ -14,6 +14,7 @@ from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogpro
 from pagedserve.engine.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
+from pagedserve.workers.grammar_mask import with_grammar
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
@@ -101,6 +102,8 @@ class ModelRunner:
         if not self.parallel.is_driver:
             return None
         batch = self.sampling_batch.build(inputs.sampled_states)
+        if scheduler_output.grammar_bitmask is not None:
+            batch = with_grammar(batch, scheduler_output, inputs.sampled_states, self.device)
         return _to_runner_output(inputs.sampled_states, self.sampler(logits, batch))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.sampling_params import GREEDY_TEMPERATURE_EPS
+from pagedserve.workers.grammar_mask import apply_grammar
 
 
 @dataclass
@@ -39,7 +40,12 @@ class SamplingBatch:
     seeds: dict[int, int] = field(default_factory=dict)  # row -> per-step seed of a seeded request
     penalties: Penalties | None = None
     banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids masked (min_tokens)
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # row -> (ids, biases)
     num_logprobs: list[int | None] | None = None  # per row; None when no row asked
+    # Structured outputs (workers/grammar_mask.py): rows that sample under a grammar, and each
+    # one's allowed tokens ([len(grammar_rows), >= vocab] bool). None when no row is constrained.
+    grammar_rows: torch.Tensor | None = None
+    grammar_allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,9 +65,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
-        if batch.banned_tokens or batch.penalties is not None:
+        if batch.banned_tokens or batch.penalties is not None or batch.logit_bias or batch.grammar_rows is not None:
             logits = logits.clone()
-            _ban_tokens(logits, batch.banned_tokens)
+            _add_logit_bias(logits, batch.logit_bias)
+            if batch.grammar_rows is not None:
+                apply_grammar(logits, batch.grammar_rows, batch.grammar_allowed)
+            _ban_tokens(logits, batch.banned_tokens, is_constrained=batch.grammar_rows is not None)
             if batch.penalties is not None:
                 _apply_penalties(logits, batch.penalties)
         sampled = self._sample(logits, batch)
@@ -143,9 +152,21 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[list[int], list[float]]]) -> None:
+    """OpenAI's logit_bias: added to the raw logits (before penalties, as vLLM does); logprobs
+    stay those of the unbiased model."""
+    for row, (token_ids, values) in bias.items():
+        logits[row, token_ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+
+def _ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]], is_constrained: bool = False) -> None:
     for row, token_ids in banned.items():
+        kept = logits[row, token_ids] if is_constrained else None  # (advanced indexing: a copy)
         logits[row, token_ids] = float("-inf")
+        # A grammar that allows only the banned stop tokens (min_tokens not reached, the grammar
+        # complete): the grammar wins, or the row could sample nothing.
+        if is_constrained and bool(torch.isneginf(logits[row]).all()):
+            logits[row, token_ids] = kept
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> None:

@@ -79,6 +79,7 @@ def build_sampling_batch(
             if p.seed is not None and not p.is_greedy
         }
     batch.banned_tokens = _min_tokens_bans(states, eos_token_ids)
+    batch.logit_bias = {row: (list(p.logit_bias), list(p.logit_bias.values())) for row, p in enumerate(params) if p.logit_bias}
     if any(p.has_penalties for p in params):
         batch.penalties = _penalties(states, vocab_size, device)
     if any(p.logprobs is not None for p in params):

@@ -444,3 +444,29 @@ def test_the_api_key_salts_a_request_without_its_own_salt():
     assert [p["cache_salt"] for p in recorder.prompts] == [salt, "own", salt]
     assert recorder.prompts[0]["prompt"] == "hi" and recorder.prompts[1]["prompt_token_ids"] == [1, 2, 3]
     assert recorder.prompts[2]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_forced_tool_call_is_plain_json_without_a_tool_parser(client, offline):
+    """This server names no --tool-call-parser and the template has no tool format (the demo's
+    case): a forced call is written as plain JSON, equal to the offline engine's under the same
+    schema; "auto" needs the server's flags (docs/structured-outputs.md)."""
+    import json
+
+    from pagedserve import StructuredOutputsParams
+    from pagedserve.engine.chat import render_chat
+
+    parameters = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    messages = [{"role": "user", "content": "Weather?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, tools=tools, tool_choice="required")
+    assert reply.choices[0].message.tool_calls is not None, reply.choices[0]
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {"name": {"type": "string", "enum": ["get_weather"]},
+              "arguments": parameters}, "required": ["name", "arguments"], "additionalProperties": False}}
+    prompt = render_chat(offline.get_tokenizer(), messages, None, True, tools)
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema))
+    text = offline.generate({"prompt_token_ids": prompt["prompt_token_ids"]}, params, use_tqdm=False)[0].outputs[0].text
+    assert json.loads(text) == [{"name": "get_weather", "arguments": json.loads(call.function.arguments)}]
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tools=tools)

@@ -43,7 +43,7 @@ def test_prompt_forms(prompt, expected):
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "bogus": 1}, "bogus"),
         ({"prompt": "x", "logprobs": -1}, "logprobs"),  # the upper limit is the engine's (RequestLimits)
@@ -67,7 +67,8 @@ def test_chat_fields():
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True).num_logprobs == 0
     for bad, fragment in (
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "role"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
     ):

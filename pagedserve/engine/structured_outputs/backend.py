@@ -1,0 +1,46 @@
+"""What a grammar engine offers the manager: check a spec, compile it, and make matchers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from pagedserve.sampling_params import StructuredOutputsParams
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar. Not thread-safe: only the engine loop uses it."""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (and no change) if the grammar does not allow it."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32, bit i of word i // 32)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+
+
+class GrammarBackend(ABC):
+    """One grammar library bound to the model's tokenizer and vocabulary (logit columns)."""
+
+    name: str
+
+    @staticmethod
+    @abstractmethod
+    def check(params: StructuredOutputsParams) -> None:
+        """Raise ValueError naming the field and why if this backend cannot take the spec. Cheap
+        (no tokenizer work), so it runs where a request enters."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar (slow: runs in the manager's thread pool). Raises on a bad spec."""
+
+    @abstractmethod
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start (cheap: on the engine loop)."""

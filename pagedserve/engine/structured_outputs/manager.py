@@ -1,0 +1,82 @@
+"""The engine core's structured-output state, beside the scheduler: backends, a compile thread
+pool, an LRU of compiled grammars, and the per-step bitmask."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.engine.structured_outputs.backend import GrammarBackend
+from pagedserve.engine.structured_outputs.grammar_cache import GrammarCache
+from pagedserve.engine.structured_outputs.request_grammar import RequestGrammar
+from pagedserve.engine.structured_outputs.validation import BACKENDS, resolve_backend_name
+from pagedserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    """Compiles off the step loop; the loop only polls futures, fills bitmask rows and advances
+    matchers. Backends are built on first use, in the pool (xgrammar reads the whole vocabulary)."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str = "auto",
+        compile_timeout_s: float = 30.0, max_workers: int = 2, cache_size: int = 256,
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width, padding included
+        self.stop_token_ids = list(stop_token_ids)
+        self.backend_setting = backend
+        self.compile_timeout_s = compile_timeout_s
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self.cache = GrammarCache(cache_size)
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backends_lock = threading.Lock()
+
+    @property
+    def num_bitmask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def grammar_for(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """Start (or share) the compilation of a request's grammar. ValueError on a spec no
+        allowed backend takes (checked at once, cheaply)."""
+        name = resolve_backend_name(params, self.backend_setting)
+        future = self.cache.get_or_submit((name, params.cache_key()), lambda: self.pool.submit(self._compile, name, params))
+        now = time.monotonic()
+        return RequestGrammar(future, now + self.compile_timeout_s, self.compile_timeout_s, params.kind)
+
+    def _compile(self, name: str, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
+        backend = self._backend(name)
+        started = time.monotonic()
+        compiled = backend.compile(params)
+        logger.debug("compiled a %s grammar with %s in %.3f s", params.kind, name, time.monotonic() - started)
+        return backend, compiled
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._backends_lock:
+            if name not in self._backends:
+                self._backends[name] = BACKENDS[name](self.tokenizer, self.vocab_size, self.stop_token_ids)
+            return self._backends[name]
+
+    def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        """One packed row per grammar (int32; bit i of word i // 32 set: token i allowed)."""
+        bitmask = torch.full((len(grammars), self.num_bitmask_words), -1, dtype=torch.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask.numpy()
+
+    def wait_for_any(self, grammars: list[RequestGrammar], timeout_s: float) -> None:
+        """Nothing else to do this step: sleep until a compilation ends (or `timeout_s`), rather
+        than spin the step loop while the pool works."""
+        pending = [g.future for g in grammars if not g.future.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

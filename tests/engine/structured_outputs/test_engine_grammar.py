@@ -1,0 +1,135 @@
+"""The grammar state beside the scheduler: compiles never hold up other requests, a grammar that
+fails ends its own request only, compilations are shared, and a resumed request's matcher
+replays its earlier outputs. In-process LLMEngine on the padded tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+
+from pagedserve.engine.input_processor import ResumeState
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.request import RequestStatus
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tests.engine.structured_outputs.conftest import PERSON_SCHEMA
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    engine = LLMEngine.from_engine_args(model=str(model_dirs["qwen2"]), max_model_len=256, dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def slow_compiles(engine, monkeypatch):
+    """Every compilation takes at least `delay_s` more (a costly schema, deterministically)."""
+    manager = engine.structured_outputs
+    compile_ = manager._compile
+    settings = {"delay_s": 1.0}
+
+    def slow(name, params):
+        time.sleep(settings["delay_s"])
+        return compile_(name, params)
+
+    monkeypatch.setattr(manager, "_compile", slow)
+    manager.cache.entries.clear()  # no earlier test's compilation may be reused
+    return settings
+
+
+def json_params(**kwargs) -> SamplingParams:
+    so = StructuredOutputsParams(json=PERSON_SCHEMA)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 64, "structured_outputs": so, **kwargs})
+
+
+def run(engine: LLMEngine, on_step=None) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        if on_step is not None:
+            on_step()
+    return finals
+
+
+def test_compiling_grammar_holds_up_nobody(engine, slow_compiles):
+    engine.add_request("json", PROMPT, json_params())
+    engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finals, status_when_plain_ended = {}, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+                if output.request_id == "plain":
+                    status_when_plain_ended = engine.scheduler.requests["json"].status
+    # The unconstrained request ran to its end while the other's grammar was still compiling.
+    assert status_when_plain_ended == RequestStatus.WAITING_FOR_GRAMMAR
+    assert finals["plain"].outputs[0].finish_reason == "length"
+    jsonschema.validate(json.loads(finals["json"].outputs[0].text), PERSON_SCHEMA)
+
+
+def test_same_spec_compiles_once(engine, slow_compiles):
+    cache = engine.structured_outputs.cache
+    misses, hits = cache.num_misses, cache.num_hits
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPT, json_params(n=2, seed=i, temperature=1.0))
+    finals = run(engine)
+    assert (cache.num_misses - misses, cache.num_hits - hits) == (1, 5)  # 6 requests, one compilation
+    for output in finals.values():
+        for completion in output.outputs:
+            jsonschema.validate(json.loads(completion.text), PERSON_SCHEMA)
+
+
+def test_compile_timeout_fails_that_request_only(engine, slow_compiles, monkeypatch):
+    monkeypatch.setattr(engine.structured_outputs, "compile_timeout_s", 0.2)
+    engine.add_request("json", PROMPT, json_params())
+    engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finals = run(engine)
+    assert finals["json"].outputs[0].finish_reason == "abort" and finals["json"].outputs[0].token_ids == []
+    assert finals["plain"].outputs[0].finish_reason == "length"
+    assert engine.scheduler.num_constrained == 0
+    # The engine goes on: the same spec, given time, works.
+    monkeypatch.setattr(engine.structured_outputs, "compile_timeout_s", 30.0)
+    engine.add_request("again", PROMPT, json_params())
+    jsonschema.validate(json.loads(run(engine)["again"].outputs[0].text), PERSON_SCHEMA)
+
+
+def stream(engine: LLMEngine, request_id: str, params: SamplingParams, resume: ResumeState | None = None) -> list:
+    processed = engine.input_processor.process(PROMPT, params, resume)
+    engine.add_processed_request(request_id, processed, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_resumed_request_replays_its_grammar(engine, backend, monkeypatch):
+    """A request handed over mid-JSON (its earlier outputs given back) goes on where it was: the
+    matcher replays those tokens, and the whole output is the undisturbed one."""
+    monkeypatch.setattr(engine.structured_outputs, "backend_setting", backend)
+    params = json_params(output_kind=RequestOutputKind.DELTA)
+    whole = stream(engine, f"whole-{backend}", params)
+    full_ids = [t for o in whole for t in o.outputs[0].token_ids]
+    full_text = "".join(o.outputs[0].text for o in whole)
+    jsonschema.validate(json.loads(full_text), PERSON_SCHEMA)
+    for cut in (3, len(whole) // 2):
+        prior = [t for o in whole[:cut] for t in o.outputs[0].token_ids]
+        sent = "".join(o.outputs[0].text for o in whole[:cut])
+        rest = stream(engine, f"resumed-{backend}-{cut}", params, ResumeState(prior, len(sent)))
+        assert prior + [t for o in rest for t in o.outputs[0].token_ids] == full_ids, cut
+        assert sent + "".join(o.outputs[0].text for o in rest) == full_text
+
+
+def test_resumed_tokens_that_break_the_grammar_end_that_request(engine, tokenizer):
+    params = json_params(output_kind=RequestOutputKind.DELTA)
+    bad = tokenizer.encode("nope", add_special_tokens=False)  # a JSON object cannot start so
+    rest = stream(engine, "bad-resume", params, ResumeState(bad, 0))
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert engine.scheduler.num_constrained == 0

@@ -1,0 +1,54 @@
+"""The worker's side of structured outputs: packed bitmask rows unpacked and laid over the logits
+of the constrained rows only, padding columns never allowed, and a grammar that allows only the
+stop tokens min_tokens bans still gets one of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.workers.grammar_mask import apply_grammar, unpack_bitmask
+from pagedserve.workers.sampler import Sampler, SamplingBatch
+
+
+def pack(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """Rows of allowed ids as the engine sends them: int32 words, bit i of word i // 32."""
+    words = np.zeros((len(allowed), (vocab + 31) // 32), dtype=np.uint32)
+    for row, token_ids in enumerate(allowed):
+        for t in token_ids:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def test_unpack_reads_bit_i_of_word_i_div_32():
+    allowed = [[0, 31, 32, 63, 70], [5]]
+    unpacked = unpack_bitmask(pack(allowed, 96))
+    assert unpacked.shape == (2, 96)
+    for row, token_ids in enumerate(allowed):
+        assert unpacked[row].nonzero().flatten().tolist() == token_ids
+
+
+def test_only_constrained_rows_are_masked_and_wider_logits_never_allowed():
+    logits = torch.randn(3, 100)
+    original = logits.clone()
+    allowed = unpack_bitmask(pack([[3, 7], [64]], 96))  # 96 columns: 96..99 are past the bitmask
+    allowed[1, 96 - 1] = True
+    apply_grammar(logits, torch.tensor([0, 2]), allowed)
+    assert torch.equal(logits[1], original[1])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 7]
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [64, 95]
+
+
+def test_sampler_argmax_stays_inside_the_grammar_and_grammar_beats_min_tokens_ban():
+    vocab, eos = 64, 2
+    logits = torch.zeros(3, vocab)
+    logits[:, 10] = 5.0  # every row's favourite, allowed only in the unconstrained row
+    batch = SamplingBatch(temperature=torch.zeros(3), all_greedy=True,
+                          banned_tokens={1: [eos], 2: [eos]},  # rows 1 and 2 below min_tokens
+                          grammar_rows=torch.tensor([0, 1]),
+                          grammar_allowed=unpack_bitmask(pack([[20, 21], [eos]], vocab)))
+    logits[0, 21] = 1.0
+    sampled = Sampler(0, torch.device("cpu"))(logits, batch).sampled_token_ids.tolist()
+    # Row 0: the best allowed token; row 1: its grammar allows only EOS, which wins over the
+    # ban; row 2 (unconstrained) keeps its argmax.
+    assert sampled == [21, eos, 10]
