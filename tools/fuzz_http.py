@@ -16,9 +16,9 @@ summary (calls, status codes and failures per operation and mode) goes to stdout
 the exit status is 1 when anything failed.
 
     # start a server on the demo model in this process (Ray + Serve on a free port), fuzz it
-    python benchmarks/fuzz_http.py --max-examples 500 --output benchmarks/results/fuzz_http_cpu.json
+    python tools/fuzz_http.py --max-examples 500 --output benchmarks/results/fuzz_http_cpu.json
     # a running server
-    python benchmarks/fuzz_http.py --url http://127.0.0.1:8000 --max-examples 2000
+    python tools/fuzz_http.py --url http://127.0.0.1:8000 --max-examples 2000
 """
 
 from __future__ import annotations

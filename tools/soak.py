@@ -14,9 +14,9 @@ timeout), or a process's RSS grew more than `--max-rss-growth-mib` from its firs
 the warm-up (`--warmup-s`) to the end. The JSON summary goes to stdout and `--output`.
 
     # start a server on the demo model in this process (Ray + Serve on a free port), soak it
-    python benchmarks/soak.py --duration-s 600 --output benchmarks/results/soak_cpu.json
+    python tools/soak.py --duration-s 600 --output benchmarks/results/soak_cpu.json
     # an existing server (its process RSS is measured when RAY_ADDRESS reaches its cluster)
-    python benchmarks/soak.py --url http://127.0.0.1:8000 --duration-s 60
+    python tools/soak.py --url http://127.0.0.1:8000 --duration-s 60
 """
 
 from __future__ import annotations
