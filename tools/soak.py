@@ -36,6 +36,10 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from common import write_report  # noqa: E402
+
 # Serve actor class names (as Ray's state API lists them) -> the name the report uses.
 SERVER_PROCESSES = {
     "LLMServer": "llm_server",
@@ -366,11 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     summary = asyncio.run(soak(url.rstrip("/"), args))
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+    write_report(summary, args.output, argv)  # with the commit, the machine and the command line
     for failure in summary["failures"]:
         print(f"soak: FAILED: {failure}", file=sys.stderr)
     return 0 if summary["passed"] else 1
