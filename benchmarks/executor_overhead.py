@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.engine.scheduler_output import SchedulerOutput  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.scheduler_output import SchedulerOutput
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--output", help="also write the JSON here")
     return parser.parse_args()
 
 
@@ -81,7 +76,18 @@ def main() -> None:
         results[name]["added_decode_step_ms"] = round(results[name]["decode_step_ms"] - base["decode_step_ms"], 3)
     report = {"batch": args.batch, "steps": args.steps, "model": "tiny", "results": results}
     ray.shutdown()
-    common.write_report(report, args.output)
+    write_report(report, args.output)
+
+
+def write_report(report: dict, output) -> None:
+    """common.write_report (benchmarks/common.py, beside this script): the JSON with its provenance."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+
+    common.write_report(report, output)
 
 
 if __name__ == "__main__":
