@@ -35,8 +35,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
+sys.path.insert(0, str(HERE))
 
-from servers import Server, machine_info, start_server  # noqa: E402
+from common import machine_info, write_report  # noqa: E402
+from servers import Server, start_server  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -175,10 +177,8 @@ def main() -> None:
             report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in online}
     report["ratio_pagedserve_over_vllm"] = ratios(report)
     report["load_after"] = os.getloadavg()
-    text = json.dumps(report, indent=2)
-    print(text)
+    write_report(report, args.output)
     if args.output:
-        args.output.write_text(text + "\n")
         if "online" in report:
             plot(report, args.output.with_suffix(".png"))
 

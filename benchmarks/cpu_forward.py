@@ -1,15 +1,24 @@
-"""The whole forward pass of a checkpoint on the CPU, eager vs compiled: `cpu_kernels.py --model`.
+"""The model's whole forward pass on the CPU, as a worker loads it (real weights; the `cpu`
+attention backend in half precision, the reference in float32, as `auto` picks), with every
+layer's cache bound to one random paged cache (the cost is the same as separate ones).
 
-The model is built as a worker builds it (real weights, the `cpu` attention backend in half
-precision, the reference in float32, as `auto` picks), with every layer's cache bound to one
-random paged cache (the cost is the same as separate ones). Steps: a decode step of `--num-seqs`
-rows with contexts of `--min-context`..`--max-context` tokens, and one prefill chunk of
-`--prefill-tokens` tokens.
+Run as a script: this tree against a baseline commit, at 1 and 2 torch threads: a decode step of
+8, 64, 128 and 256 rows (contexts 128-192) and a prefill chunk of 512 tokens, in half precision.
+What the native attention kernel, the packed linear layers and the fused layers buy, one step at
+a time. Each tree runs in its own process (the baseline `git archive`d, see common.py),
+alternately, `--rounds` times; the figure is the least wall time of `--repeats` calls. Wall time,
+because a second thread's work is not this thread's CPU time: run it on a quiet machine.
+
+    python benchmarks/cpu_forward.py --model /work/smollm2-hf --baseline HEAD~3 --output benchmarks/results/cpu_forward_vs.json
+
+Eager against compiled is `cpu_kernels.py --model` (it uses `forward_report` below); the tests
+build their CPU model with `build`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -18,13 +27,19 @@ from typing import Callable
 
 import torch
 
-from pagedserve.config import EngineConfig
-from pagedserve.kernels import get_attention_backend
-from pagedserve.model_resolver import resolve_model_config
-from pagedserve.workers.model_loader import load_model
-from pagedserve.workers.models.llama import LlamaForCausalLM, attention_dims
-from pagedserve.workers.parallel_state import ParallelContext
-from tests.kernels.paged_batch import make_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.kernels import get_attention_backend  # noqa: E402
+from pagedserve.model_resolver import resolve_model_config  # noqa: E402
+from pagedserve.workers.model_loader import load_model  # noqa: E402
+from pagedserve.workers.models.llama import LlamaForCausalLM, attention_dims  # noqa: E402
+from pagedserve.workers.parallel_state import ParallelContext  # noqa: E402
+from tests.kernels.paged_batch import make_batch  # noqa: E402
+
+DECODE_ROWS = (8, 64, 128, 256)
 
 
 def build(folder: Path, dtype: torch.dtype, max_positions: int, compiled: bool = False) -> LlamaForCausalLM:
@@ -74,3 +89,63 @@ def forward_report(args: argparse.Namespace, cpu_ms: Callable[..., float]) -> di
             row[name] = {"eager_ms": eager, "compiled_ms": compiled, "speedup": round(eager / compiled, 2), "compile_s": round(compile_s, 1)}
         report[str(dtype).removeprefix("torch.")] = row
     return report
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
+    parser.add_argument("--dtype", default="bfloat16")
+    common.add_baseline_argument(parser)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker(args: argparse.Namespace) -> dict[str, float]:
+    """In the tree on PYTHONPATH: name -> least wall ms of one forward."""
+    torch.set_num_threads(int(args.threads))
+    dtype = getattr(torch, args.dtype)
+    result = {}
+    with torch.inference_mode():
+        model = build(Path(args.model), dtype, 4096)
+        for rows in DECODE_ROWS:
+            shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=512)
+            batches = steps(model, shape, dtype)
+            names = [("decode", f"decode_{rows}")] + ([("prefill", "prefill_512")] if rows == DECODE_ROWS[-1] else [])
+            for kind, name in names:
+                input_ids, positions, meta, kv_cache = batches[kind]
+                for attn in model.attention_layers():
+                    attn.kv_cache = kv_cache
+                forward = lambda: model(input_ids, positions, meta)  # noqa: E731
+                result[name] = common.least_ms(forward, args.repeats, clock=time.perf_counter)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with common.baseline_tree(args.baseline) as (baseline_commit, baseline_folder):
+        trees = {"this_tree": common.REPO, "baseline": baseline_folder}
+        for _ in range(args.rounds):
+            for threads in (int(t) for t in args.threads.split(",")):
+                for name, tree in trees.items():
+                    print(f"[forward] {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
+                    argv = ["--worker", "--model", args.model, "--dtype", args.dtype, "--threads", str(threads), "--repeats", str(args.repeats)]
+                    result = common.run_in_tree(tree, __file__, argv, env={"OMP_NUM_THREADS": str(threads)})
+                    runs.setdefault(f"{threads}_threads", {}).setdefault(name, []).append(result)
+    report = {"model": args.model, "dtype": args.dtype, "baseline_commit": baseline_commit, "ms": {}, "speedup": {}}
+    for threads, by_tree in runs.items():
+        best = {name: {step: min(r[step] for r in rs) for step in rs[0]} for name, rs in by_tree.items()}
+        report["ms"][threads] = best
+        report["speedup"][threads] = {step: round(best["baseline"][step] / best["this_tree"][step], 2) for step in best["this_tree"]}
+    common.write_report(report, args.output)
+
+
+if __name__ == "__main__":
+    main()

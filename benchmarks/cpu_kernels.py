@@ -19,11 +19,8 @@ Face folder): the whole forward pass of that model in bfloat16 and float32, eage
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from pagedserve.kernels import cpu_attention, cpu_native, reference  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.step_inputs import CachedRequestState  # noqa: E402
@@ -39,15 +37,7 @@ from pagedserve.workers.sampling_batch import build_sampling_batch  # noqa: E402
 from tests.kernels.paged_batch import make_batch  # noqa: E402
 
 
-def cpu_ms(fn, repeats: int) -> float:
-    """The least CPU time of `repeats` calls: other processes only ever add to it (cache misses)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return round(min(times) * 1e3, 3)
+cpu_ms = common.least_ms  # the least thread-CPU time of `repeats` calls: others only ever add to it
 
 
 def attention(args: argparse.Namespace) -> dict:
@@ -112,17 +102,13 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    report = {"workload": vars(args) | {"output": None}, "load_before": os.getloadavg()}
+    report = {"workload": vars(args) | {"output": None}}
     if not args.skip_kernels:
         report["decode_attention_one_layer"] = attention(args)
         report["sampler"] = sampler(args)
     if args.model:
         report["forward"] = forward(args)
-    report["load_after"] = os.getloadavg()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    common.write_report(report, args.output)
 
 
 if __name__ == "__main__":

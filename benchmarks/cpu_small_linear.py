@@ -14,10 +14,7 @@ quiet machine: wall time, and a second thread's work is not this thread's CPU ti
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpu_forward import build, steps  # noqa: E402
-from peers.servers import machine_info  # noqa: E402
+import common  # noqa: E402
 
 from pagedserve.workers.layers import cpu_gemm  # noqa: E402
 from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -43,14 +40,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1000, 2)
+median_ms = common.median_ms
 
 
 def layer_pass(model, rows: int, small: bool) -> Callable[[], None]:
@@ -73,7 +63,7 @@ def main() -> None:
     model = build(Path(args.model), torch.bfloat16, 4096)
     weight_mb = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
     weight_mb = (weight_mb + model.lm_head.weight.numel() * 2) / 1e6
-    report = {"machine": machine_info(), "model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}}
+    report = {"model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}}
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in map(int, args.rows.split(",")):
@@ -93,10 +83,7 @@ def main() -> None:
             report["layers"][key] = {"small_ms": small, "onednn_ms": onednn, "speedup": round(onednn / small, 2), "small_gb_s": round(weight_mb / small, 1)}
             report["forward"][key] = {"with_ms": with_kernel, "without_ms": without, "speedup": round(without / with_kernel, 2)}
             print(f"[{key}] layers {report['layers'][key]}  forward {report['forward'][key]}", file=sys.stderr, flush=True)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    common.write_report(report, args.output, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,33 +12,33 @@ whole step runs on one thread). Per step, in thread CPU time (robust to a loaded
 - `detokenize_and_outputs`: the output processor, apart (it leaves the critical path once the
   engine core runs in its own process).
 
-The baseline is `git archive`d into a temporary folder and measured in its own process, so both
-trees run the same code here, alternately, `--rounds` times each; medians of all steps.
+The baseline (`--baseline REV`; by default the merge-base with main, or HEAD~ on main) is `git
+archive`d into a temporary folder and measured in its own process (see common.py), so both trees
+run the same script here, alternately, `--rounds` times each; medians of all steps.
 
-    python benchmarks/engine_step_cpu.py --output benchmarks/results/engine_step_cpu.json
+    python benchmarks/engine_step_cpu.py --baseline HEAD~5 --output benchmarks/results/engine_step_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
 PARTS = ("schedule", "update", "worker_prepare", "detokenize_and_outputs")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline-commit", default="ab09df0")
+    common.add_baseline_argument(parser)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", default="64:256", help="MIN:MAX tokens (the prefill before the measured steps)")
@@ -100,13 +100,9 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
     return samples
 
 
-def run_tree(pythonpath: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    env = dict(os.environ, PYTHONPATH=str(pythonpath), HF_HUB_OFFLINE="1")
-    command = [sys.executable, __file__, "--measure", "--num-requests", str(args.num_requests), "--steps", str(args.steps), "--prompt-len", args.prompt_len]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"measurement under {pythonpath} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    argv = ["--measure", "--num-requests", str(args.num_requests), "--steps", str(args.steps), "--prompt-len", args.prompt_len]
+    return common.run_in_tree(tree, __file__, argv, timeout_s=1800)
 
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -120,29 +116,21 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure_engine_cpu(args.num_requests, args.steps, args.prompt_len)))
         return
-    with tempfile.TemporaryDirectory() as baseline_tree:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline_commit, "pagedserve"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", baseline_tree], input=archive.stdout, check=True)
-        trees = {"baseline": Path(baseline_tree), "this_tree": REPO}
+    with common.baseline_tree(args.baseline) as (baseline_commit, baseline_folder):
+        trees = {"baseline": baseline_folder, "this_tree": common.REPO}
         merged: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
         for _ in range(args.rounds):
             for name, path in trees.items():
                 for part, values in run_tree(path, args).items():
                     merged[name].setdefault(part, []).extend(values)
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "load_average": os.getloadavg()},
         "workload": {"running_requests": args.num_requests, "steps": args.steps, "prompt_len": args.prompt_len, "rounds": args.rounds, "model": "tiny (random weights)"},
-        "trees": {"baseline": args.baseline_commit, "this_tree": head},
+        "trees": {"baseline": baseline_commit, "this_tree": common.commit_info()["commit"]},
         "median_cpu_ms_per_step": {name: summarize(samples) for name, samples in merged.items()},
     }
     base, new = (report["median_cpu_ms_per_step"][k]["engine_critical_path"] for k in ("baseline", "this_tree"))
     report["critical_path_speedup"] = round(base / new, 2)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-
+    common.write_report(report, args.output)
 
 if __name__ == "__main__":
     main()

@@ -10,13 +10,12 @@ Two figures per executor, both medians over many steps:
 Every rank runs one torch thread (a Ray CPU worker gets one per CPU of its bundle), and so does
 the in-process run here, so the decode figures compare like with like.
 
-    python benchmarks/executor_overhead.py
+    python benchmarks/executor_overhead.py --output benchmarks/results/executor_overhead_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -28,6 +27,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--output", help="also write the JSON here")
     return parser.parse_args()
 
 
@@ -75,8 +75,19 @@ def main() -> None:
     for name in ("ray_tp1", "ray_tp2"):
         results[name]["added_decode_step_ms"] = round(results[name]["decode_step_ms"] - base["decode_step_ms"], 3)
     report = {"batch": args.batch, "steps": args.steps, "model": "tiny", "results": results}
-    print(json.dumps(report, indent=2))
     ray.shutdown()
+    write_report(report, args.output)
+
+
+def write_report(report: dict, output) -> None:
+    """common.write_report (benchmarks/common.py, beside this script): the JSON with its provenance."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+
+    common.write_report(report, output)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import random
 import statistics
 import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json), random weights.
 LLAMA_3_2_1B = dict(
@@ -318,10 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["throughput"] = measure_throughput(folder, args)
     if not args.skip_kernels:
         result["kernels"] = measure_kernels(shape, args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    common.write_report(result, args.output, argv)
     return result
 
 

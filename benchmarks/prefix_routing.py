@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import sys
@@ -32,6 +31,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 ROUTERS = ("power_of_two", "prefix_aware")
 WORKLOADS = ("shared", "unique")
@@ -252,8 +255,7 @@ def _value(result: dict, key: str) -> float:
 
 
 def machine_name() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} cores of {model}, CPU only"
+    return f"{os.cpu_count()} cores of {common.cpu_info()['cpu']}, CPU only"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,12 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         serve.shutdown()
         ray.shutdown()
     config = {k: v for k, v in vars(args).items() if k not in ("output", "plot", "replica_counts", "workload_names")}
-    report = {"config": {**config, "machine_name": machine_name(), "machine": platform.platform()}, "ratios": ratios(runs), "runs": runs}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    report = {"config": {**config, "machine_name": machine_name()}, "ratios": ratios(runs), "runs": runs}
+    common.write_report(report, args.output, argv)
     if args.plot:
         plot(report, args.plot)
 

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -98,9 +102,9 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
         "duration_s": round(duration, 2),
         "output_tokens_per_s": round(num_output / duration, 1),
         "median_ttft_ms": round(statistics.median(ttft) * 1e3, 1),
-        "p99_ttft_ms": round(_percentile(ttft, 99) * 1e3, 1),
+        "p99_ttft_ms": round(common.percentile(ttft, 99) * 1e3, 1),
         "median_itl_ms": round(statistics.median(itl) * 1e3, 1),
-        "p99_itl_ms": round(_percentile(itl, 99) * 1e3, 1),
+        "p99_itl_ms": round(common.percentile(itl, 99) * 1e3, 1),
         "num_steps": len(busy),
         "mean_decodes_per_step": round(statistics.mean(s[0] for s in busy), 1),
         "mean_prefill_tokens_per_step": round(statistics.mean(s[1] for s in busy), 1),
@@ -110,18 +114,13 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
     }
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
 def main() -> None:
     args = parse_args()
     from pagedserve import LLM
 
     rng = random.Random(args.seed)
     prompts = [[rng.randint(100, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    report: dict = {"workload": {k: str(v) for k, v in vars(args).items() if k != "output"}, "load_before": os.getloadavg(), "runs": {}}
+    report: dict = {"workload": {k: str(v) for k, v in vars(args).items() if k != "output"}, "runs": {}}
     for setting in args.settings.split(","):
         overrides = {}
         if setting != "default":
@@ -139,11 +138,7 @@ def main() -> None:
             report["runs"][name][rate] = run_rate(engine, prompts, float(rate), args)
             print(json.dumps({name: {rate: report["runs"][name][rate]}}), flush=True)
         llm.shutdown()
-    report["load_after"] = os.getloadavg()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    common.write_report(report, args.output)
 
 
 if __name__ == "__main__":

@@ -30,17 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import platform
 import random
 import sys
 import time
 from pathlib import Path
 
-from serving_backends import HttpBackend, InProcessBackend, RequestSpec
-from serving_metrics import RequestResult, compare, plot_sweep, summarize
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from serving_backends import HttpBackend, InProcessBackend, RequestSpec  # noqa: E402
+from serving_metrics import RequestResult, compare, plot_sweep, summarize  # noqa: E402
 
 # Short common words: most are one token in any BPE vocabulary, so a text prompt of N words is
 # roughly N tokens. The exact count comes back from the server's usage (or the engine).
@@ -204,8 +205,6 @@ def _describe_config(args: argparse.Namespace) -> dict:
         "output_len": list(args.output_len),
         "prompt_format": args.prompt_format,
         "seed": args.seed,
-        "machine": platform.platform(),
-        "cpu_count": os.cpu_count(),
     }
     if args.compare or args.backend == "http":
         config["base_url"] = args.base_url
@@ -227,11 +226,7 @@ def _device_name(engine_args: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = run(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    common.write_report(report, args.output, argv)
 
 
 if __name__ == "__main__":

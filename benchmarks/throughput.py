@@ -5,28 +5,49 @@ N prompts of random token ids with random input lengths and a fixed output lengt
 Hugging Face runs them as a user would: left-padded batches of `--hf-batch-size`, in arrival
 order, greedy, exactly `output_len` new tokens. pagedserve gets all prompts at once.
 
+`--model` takes a checkpoint folder instead of the random-weight Llama built to the `--hidden-size`
+etc. given. `--modes` runs pagedserve several times on the same prompts, back to back, under other
+engine settings (the engine core in this process or its own, one or two torch threads; see MODES),
+and reports each one's speedup over the first.
+
 It also measures the engine's own CPU cost per step (schedule + update + the worker's input
 preparation, see engine_step_cpu.py) with 256 running requests, on the tiny random-weight model.
 
     python benchmarks/throughput.py                 # the defaults of benchmarks/results/ (about 7 min here)
     python benchmarks/throughput.py --num-prompts 16 --output-len 8 --skip-overhead   # smoke run
+    python benchmarks/throughput.py --model /work/smollm2-hf --dtype bfloat16 --skip-hf --skip-overhead \
+        --num-prompts 128 --input-len-min 32 --input-len-max 256 --kv-cache-gib 2 \
+        --modes in_process,in_process_1_thread,core_process_1_thread,core_process_2_threads   # the engine core in its own process
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+MODES = {  # name -> engine arguments on top of the run's own
+    "in_process": {},  # torch's default threads: the process's cores
+    "in_process_1_thread": {"num_cpu_threads": 1},
+    "core_process_1_thread": {"engine_core_process": True, "num_cpu_threads": 1},
+    "core_process_2_threads": {"engine_core_process": True, "num_cpu_threads": 2},
+}
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="a checkpoint folder (default: a random-weight Llama of the sizes below)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", default="in_process", help=f"comma list of pagedserve runs, of {', '.join(MODES)}")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len-min", type=int, default=16)
     parser.add_argument("--input-len-max", type=int, default=512)
@@ -43,7 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        parser.error(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(MODES)}")
+    return args
 
 
 def build_checkpoint(args: argparse.Namespace, folder: Path) -> Path:
@@ -74,8 +98,11 @@ def build_checkpoint(args: argparse.Namespace, folder: Path) -> Path:
 def count_parameters(folder: Path) -> int:
     from safetensors import safe_open
 
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
-        return sum(_numel(handle.get_slice(name).get_shape()) for name in handle.keys())
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            total += sum(_numel(handle.get_slice(name).get_shape()) for name in handle.keys())
+    return total
 
 
 def _numel(shape: list[int]) -> int:
@@ -100,26 +127,37 @@ def summary(num_prompts: int, num_input: int, num_output: int, seconds: float) -
     }
 
 
-def run_pagedserve(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def time_generate(model: str, engine_args: dict, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(startup + warm-up seconds, seconds) of pagedserve generating exactly `output_len` tokens
+    per prompt (greedy, ignore_eos); the time covers generate() only. peers/offline_run.py uses it too."""
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(str(folder), kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    llm.shutdown()
-    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_output == len(prompts) * args.output_len
-    return summary(len(prompts), sum(map(len, prompts)), num_output, seconds)
+    started = time.perf_counter()
+    llm = LLM(model, **engine_args)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
+        startup_s = time.perf_counter() - started
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
+    return startup_s, seconds
+
+
+def run_pagedserve(folder: Path, prompts: list[list[int]], args: argparse.Namespace, mode: str) -> dict:
+    engine_args = {"dtype": args.dtype, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30), "seed": args.seed, **MODES[mode]}
+    _, seconds = time_generate(str(folder), engine_args, prompts, args.output_len)
+    return summary(len(prompts), sum(map(len, prompts)), len(prompts) * args.output_len, seconds)
 
 
 @torch.inference_mode()
 def run_hf(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).eval()
     pad = model.config.pad_token_id
     batches = [prompts[i : i + args.hf_batch_size] for i in range(0, len(prompts), args.hf_batch_size)]
     _hf_generate(model, batches[0][:2], 4, pad)  # warm-up
@@ -156,14 +194,16 @@ def measure_engine_overhead(num_requests: int = 256, steps: int = 30) -> dict:
 def main() -> None:
     args = parse_args()
     prompts = random_prompts(args)
-    report: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()},
-        "workload": {k: v for k, v in vars(args).items() if k != "output"},
-    }
+    report: dict = {"torch_threads": torch.get_num_threads(), "workload": {k: str(v) for k, v in vars(args).items() if k != "output"}}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_checkpoint(args, Path(tmp))
-        report["model"] = {"parameters_millions": round(count_parameters(folder) / 1e6, 1), "dtype": "float32"}
-        report["pagedserve"] = run_pagedserve(folder, prompts, args)
+        folder = args.model or build_checkpoint(args, Path(tmp))
+        report["model"] = {"parameters_millions": round(count_parameters(folder) / 1e6, 1), "dtype": args.dtype}
+        modes = args.modes.split(",")
+        runs = {mode: run_pagedserve(folder, prompts, args, mode) for mode in modes}
+        report["pagedserve"] = runs[modes[0]]
+        if len(modes) > 1:
+            report["modes"] = runs
+            report[f"speedup_vs_{modes[0]}"] = {m: round(runs[modes[0]]["seconds"] / r["seconds"], 3) for m, r in runs.items()}
         if not args.skip_hf:
             report["huggingface"] = run_hf(folder, prompts, args)
             report["ratio"] = {
@@ -172,11 +212,7 @@ def main() -> None:
             }
     if not args.skip_overhead:
         report["engine_overhead"] = measure_engine_overhead()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-
+    common.write_report(report, args.output)
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's own limit on logit_bias entries: the biases travel to every rank in each new request.
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 class SamplingParamError(ValueError):
@@ -112,7 +114,7 @@ class SamplingParams:
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids) if self.min_tokens > 0 else (),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
         )
 
     def clone(self, **changes: Any) -> SamplingParams:
@@ -165,6 +167,8 @@ class SamplingParams:
             return
         if not isinstance(bias, dict):
             _fail("logit_bias", bias, "a dict of token id -> bias, or None")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            _fail("logit_bias", _Count(len(bias), "entries"), f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         for token_id, value in bias.items():
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 _fail("logit_bias", token_id, "non-negative integer token ids as keys")
@@ -221,6 +225,7 @@ class SamplerParams:
     frequency_penalty: float
     repetition_penalty: float
     logprobs: int | None
+    logit_bias: dict[int, float] | None = None  # at most MAX_LOGIT_BIAS_ENTRIES entries
 
     is_greedy = SamplingParams.is_greedy
     has_penalties = SamplingParams.has_penalties

@@ -208,3 +208,13 @@ def test_sampler_params_carry_no_stop_strings():
     assert not record.is_greedy and not record.has_penalties
     banned = SamplingParams(min_tokens=2, stop_token_ids=[7, 9], repetition_penalty=1.2).sampler_params()
     assert banned.stop_token_ids == (7, 9) and banned.has_penalties
+
+
+def test_logit_bias_is_capped_and_reaches_the_sampler_record():
+    """The biases travel to every rank: bounded like the stop lists, and carried by SamplerParams."""
+    from pagedserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+
+    with pytest.raises(ValueError, match="at most 300 entries"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)})
+    record = SamplingParams(logit_bias={3: -100, 5: 2.5}).sampler_params()
+    assert record.logit_bias == {3: -100.0, 5: 2.5}

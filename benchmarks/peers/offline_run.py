@@ -15,27 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 
 def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]], output_len: int) -> float:
-    from pagedserve import LLM, SamplingParams
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from throughput import time_generate  # pagedserve's own offline timing, as benchmarks/throughput.py runs it
 
     kwargs = {"dtype": args.dtype, "seed": 0, "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
     if args.num_cpu_threads:
         kwargs["num_cpu_threads"] = args.num_cpu_threads
     if args.engine == "pagedserve-compiled":
         kwargs["enforce_eager"] = False
-    started = time.perf_counter()
-    llm = LLM(args.model, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
-    args.startup_s = time.perf_counter() - started
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
-    llm.shutdown()
+    args.startup_s, seconds = time_generate(args.model, kwargs, prompts, output_len)
     return seconds
 
 

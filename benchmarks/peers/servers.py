@@ -1,4 +1,4 @@
-"""Starting and stopping the two servers `compare_vllm.py` loads, and naming the machine."""
+"""Starting and stopping the two servers `compare_vllm.py` loads."""
 
 from __future__ import annotations
 
@@ -77,18 +77,3 @@ def stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-
-
-def machine_info() -> dict:
-    """The CPU's name, whether it has the bf16 instructions both engines use, and the load now."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines() if line.startswith("Flags")), [])
-    return {
-        "cpu": model,
-        "num_cpus": os.cpu_count(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
-        "load_before": os.getloadavg(),
-        "started_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }

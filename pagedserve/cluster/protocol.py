@@ -13,6 +13,7 @@ from pagedserve.cluster.structured_requests import FieldError, ResponseFormat, S
 from pagedserve.cluster.tool_requests import ChatTool, ForcedCall, ToolCall, ToolChoice, check_tools, forced_call, resolved_tool_choice
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, TokensPrompt, tokens_prompt
 from pagedserve.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -20,7 +21,6 @@ from pagedserve.sampling_params import (
     SamplingParams,
 )
 
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's own limit
 
 
 def _encodable(value: Any) -> Any:

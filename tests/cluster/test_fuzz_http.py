@@ -1,5 +1,5 @@
 """Hostile input against the live Serve app: hand-written malformed bodies, then schemathesis
-generating requests from the server's own /openapi.json (benchmarks/fuzz_http.py, bounded here).
+generating requests from the server's own /openapi.json (tools/fuzz_http.py, bounded here).
 
 Whatever arrives: no 5xx, no traceback text, every refusal in OpenAI's error shape and short (a
 10 MB body is not echoed back), and afterwards the server is healthy, still answers correctly and
@@ -18,7 +18,7 @@ from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy, metric_values, wait_until
 from tests.models import TOKENIZER_VOCAB
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import fuzz_http  # noqa: E402
 
@@ -188,7 +188,7 @@ def _kv_usage(base_url: str) -> float:
 
 
 def test_schemathesis_finds_nothing(base_url):
-    """A bounded run of benchmarks/fuzz_http.py (the script runs longer ones): every operation in
+    """A bounded run of tools/fuzz_http.py (the script runs longer ones): every operation in
     /openapi.json, schema-valid and schema-violating bodies, all of schemathesis' checks."""
     summary = fuzz_http.fuzz(base_url, max_examples=25, seed=0, model=MODEL)
     assert summary["failures"] == {}, json.dumps(summary["failures"], indent=1)

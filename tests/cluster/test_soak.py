@@ -1,4 +1,4 @@
-"""benchmarks/soak.py for a few seconds against the tiny model on real Serve (so the script cannot
+"""tools/soak.py for a few seconds against the tiny model on real Serve (so the script cannot
 rot), and its verdict on runs that leaked. (Here rather than under tests/benchmarks/ because it
 needs this folder's session Serve instance: Serve runs once per Ray cluster.)"""
 
@@ -14,7 +14,7 @@ import pytest
 from pagedserve.cluster.server_config import ServerConfig
 from tests.cluster.conftest import deploy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import soak  # noqa: E402
 

@@ -14,9 +14,9 @@ timeout), or a process's RSS grew more than `--max-rss-growth-mib` from its firs
 the warm-up (`--warmup-s`) to the end. The JSON summary goes to stdout and `--output`.
 
     # start a server on the demo model in this process (Ray + Serve on a free port), soak it
-    python benchmarks/soak.py --duration-s 600 --output benchmarks/results/soak_cpu.json
+    python tools/soak.py --duration-s 600 --output benchmarks/results/soak_cpu.json
     # an existing server (its process RSS is measured when RAY_ADDRESS reaches its cluster)
-    python benchmarks/soak.py --url http://127.0.0.1:8000 --duration-s 60
+    python tools/soak.py --url http://127.0.0.1:8000 --duration-s 60
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from common import write_report  # noqa: E402
 
 # Serve actor class names (as Ray's state API lists them) -> the name the report uses.
 SERVER_PROCESSES = {
@@ -366,11 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     summary = asyncio.run(soak(url.rstrip("/"), args))
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+    write_report(summary, args.output, argv)  # with the commit, the machine and the command line
     for failure in summary["failures"]:
         print(f"soak: FAILED: {failure}", file=sys.stderr)
     return 0 if summary["passed"] else 1

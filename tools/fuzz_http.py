@@ -16,9 +16,9 @@ summary (calls, status codes and failures per operation and mode) goes to stdout
 the exit status is 1 when anything failed.
 
     # start a server on the demo model in this process (Ray + Serve on a free port), fuzz it
-    python benchmarks/fuzz_http.py --max-examples 500 --output benchmarks/results/fuzz_http_cpu.json
+    python tools/fuzz_http.py --max-examples 500 --output benchmarks/results/fuzz_http_cpu.json
     # a running server
-    python benchmarks/fuzz_http.py --url http://127.0.0.1:8000 --max-examples 2000
+    python tools/fuzz_http.py --url http://127.0.0.1:8000 --max-examples 2000
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import requests
 import schemathesis
@@ -36,6 +37,10 @@ from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from common import write_report  # noqa: E402
 
 # Longer than any refusal needs: a body that echoes a huge input back is itself a failure.
 MAX_ERROR_BODY_BYTES = 4096
@@ -173,15 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     url = args.url
     if url is None:
-        from soak import start_server  # a sibling script, as serving.py's backends are
+        from soak import start_server  # a sibling tool
 
         url = start_server(args.model_path, {"max_model_len": args.max_model_len}, "fuzz")
     summary = fuzz(url.rstrip("/"), args.max_examples, args.seed, args.model)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as file:
-            file.write(text + "\n")
+    write_report(summary, args.output, argv)  # with the commit, the machine and the command line
     return 0 if summary["passed"] else 1
 
 
