@@ -21,7 +21,7 @@ import statistics
 import time
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 
 
 def parse_args() -> argparse.Namespace:

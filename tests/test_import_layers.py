@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # "engine"); a top-level module's is given in TOP_LEVEL_MODULES. A top-level module named in
 # neither is in no layer, which the test reports: a new module must be placed on purpose.
 ENTRY = "entry"  # what people run or import first: it may import anything, nothing imports it
-LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "bottom"]
+LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "step_types", "bottom"]
 
 # Every top-level module's layer, each for a reason.
 TOP_LEVEL_MODULES = {
@@ -53,12 +53,12 @@ TOP_LEVEL_MODULES = {
 
 # The engine's types that cross the engine <-> worker boundary, the only engine modules workers
 # may import: the scheduler's output (the workers' input) and the model runner's output.
-ENGINE_BOUNDARY = {"pagedserve.engine.scheduler_output", "pagedserve.engine.model_runner_output"}
+ENGINE_BOUNDARY = {"pagedserve.step_types.scheduler_output", "pagedserve.step_types.model_runner_output"}
 
 
 @dataclass(frozen=True)
 class Import:
-    target: str  # the imported module, e.g. "pagedserve.engine.scheduler_output"
+    target: str  # the imported module, e.g. "pagedserve.step_types.scheduler_output"
     line: int
     in_function: str | None  # the enclosing function's name for a function-level import
 
@@ -187,7 +187,7 @@ def test_imports_respect_the_layers(path):
         ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "boundary types"),
         ("pagedserve.ray_env", "from pagedserve.workers import ray_executor\n", "imports upward"),
         ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
-        ("pagedserve.sampling_params", "from pagedserve.engine import scheduler_output\n", "imports upward"),
+        ("pagedserve.sampling_params", "from pagedserve.step_types import scheduler_output\n", "imports upward"),
         ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "boundary types"),
     ],
 )
@@ -208,8 +208,8 @@ def test_the_checker_lets_config_import_only_leaves(monkeypatch):
 @pytest.mark.parametrize(
     "importer, source",
     [
-        ("pagedserve.workers.worker", "from pagedserve.engine.scheduler_output import SchedulerOutput\n"),
-        ("pagedserve.workers.worker", "from pagedserve.engine import model_runner_output\n"),
+        ("pagedserve.workers.worker", "from pagedserve.step_types.scheduler_output import SchedulerOutput\n"),
+        ("pagedserve.workers.worker", "from pagedserve.step_types import model_runner_output\n"),
         ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
         ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
         ("pagedserve.engine.scheduler", "from .request import Request\n"),

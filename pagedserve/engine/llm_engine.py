@@ -15,7 +15,7 @@ from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput

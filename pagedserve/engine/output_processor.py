@@ -16,7 +16,7 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.model_runner_output import TokenLogprobs
+from pagedserve.step_types.model_runner_output import TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -23,9 +23,9 @@ from collections import deque
 
 from pagedserve.engine.engine_core_output import EngineCoreOutput
 from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 
 
 def resolve_device(device: str, has_gpu: bool | None = None, where: str = "in this process") -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, to_device
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogprobs
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import InputBatch

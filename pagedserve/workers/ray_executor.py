@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
 from pagedserve.workers.executor import Executor, WorkerGroupError, resolve_device

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

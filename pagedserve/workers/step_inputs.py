@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.sampling_params import SamplingParams
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.workers.executor import Executor, resolve_device
 from pagedserve.workers.worker import Worker
 

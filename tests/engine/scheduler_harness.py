@@ -8,10 +8,10 @@ from typing import Callable
 
 from pagedserve.engine.engine_core_output import EngineCoreOutput
 from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 
 BS = 4  # block size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.step_inputs import CachedRequestState, build_step_inputs
 
