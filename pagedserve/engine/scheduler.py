@@ -128,7 +128,7 @@ class Scheduler:
                 new_block_ids = [block.block_id for block in new_blocks]
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            diffs.add(request, new_block_ids)
+            self._add_diff(diffs, request, new_block_ids)
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
@@ -242,6 +242,15 @@ class Scheduler:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
+
+    @staticmethod
+    def _add_diff(diffs: CachedRequestData, request: Request, new_block_ids: list[int]) -> None:
+        """A running request's diff: the tokens the workers have not seen, and its new blocks."""
+        diffs.req_ids.append(request.request_id)
+        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
+        request.num_tokens_on_workers = len(request.all_token_ids)
+        diffs.new_block_ids.append(new_block_ids)
+        diffs.num_computed_tokens.append(request.num_computed_tokens)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         request.num_tokens_on_workers = request.num_tokens
