@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # "engine"); a top-level module's is given in TOP_LEVEL_MODULES. A top-level module named in
 # neither is in no layer, which the test reports: a new module must be placed on purpose.
 ENTRY = "entry"  # what people run or import first: it may import anything, nothing imports it
-LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "step_types", "bottom"]
+LAYERS = [ENTRY, "cluster", "engine", "executor", "workers", "kernels", "step_types", "bottom"]
 
 # Every top-level module's layer, each for a reason.
 TOP_LEVEL_MODULES = {
@@ -185,7 +185,7 @@ def test_imports_respect_the_layers(path):
         ("pagedserve.config", "def f():\n    from pagedserve.model_resolver import resolve_checkpoint\n", "imports upward"),
         ("pagedserve.config", "def f():\n    from pagedserve.demo import ensure_demo_model\n", "imports upward"),
         ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "boundary types"),
-        ("pagedserve.ray_env", "from pagedserve.workers import ray_executor\n", "imports upward"),
+        ("pagedserve.ray_env", "from pagedserve.executor import ray_executor\n", "imports upward"),
         ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
         ("pagedserve.sampling_params", "from pagedserve.step_types import scheduler_output\n", "imports upward"),
         ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "boundary types"),
@@ -210,7 +210,7 @@ def test_the_checker_lets_config_import_only_leaves(monkeypatch):
     [
         ("pagedserve.workers.worker", "from pagedserve.step_types.scheduler_output import SchedulerOutput\n"),
         ("pagedserve.workers.worker", "from pagedserve.step_types import model_runner_output\n"),
-        ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
+        ("pagedserve.cluster.app", "from pagedserve.executor.executor import Executor\n"),
         ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
         ("pagedserve.engine.scheduler", "from .request import Request\n"),
         ("pagedserve.cli", "from pagedserve.cluster.launcher import serve_forever\n"),

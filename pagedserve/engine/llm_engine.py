@@ -23,7 +23,7 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.executor import Executor, WorkerGroupError
+from pagedserve.executor.executor import Executor, WorkerGroupError
 
 logger = logging.getLogger(__name__)
 

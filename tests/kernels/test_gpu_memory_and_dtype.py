@@ -14,7 +14,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.config import EngineConfig
 from pagedserve.model_resolver import _resolve_dtype, resolve_model_config
-from pagedserve.workers.uniproc_executor import UniProcExecutor
+from pagedserve.executor.uniproc_executor import UniProcExecutor
 from pagedserve.workers.worker import Worker
 
 GiB = 2**30

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import SchedulerOutput
-from pagedserve.workers.executor import Executor, resolve_device
+from pagedserve.executor.executor import Executor, resolve_device
 from pagedserve.workers.worker import Worker
 
 

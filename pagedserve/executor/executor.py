@@ -45,10 +45,10 @@ class Executor(ABC):
                     f"distributed_executor_backend='uni' runs one rank in-process; "
                     f"tensor_parallel_size x pipeline_parallel_size = {world_size} needs 'ray'"
                 )
-            from pagedserve.workers.uniproc_executor import UniProcExecutor
+            from pagedserve.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor
-        from pagedserve.workers.ray_executor import RayExecutor
+        from pagedserve.executor.ray_executor import RayExecutor
 
         return RayExecutor
 

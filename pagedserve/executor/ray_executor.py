@@ -26,7 +26,7 @@ from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
 from pagedserve.workers import step_channel
-from pagedserve.workers.executor import Executor, WorkerGroupError, resolve_device
+from pagedserve.executor.executor import Executor, WorkerGroupError, resolve_device
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -322,7 +322,7 @@ def test_placement_must_give_one_bundle_per_rank():
     """The cluster lays out a replica's placement group; the executor only follows it, and a
     layout with the wrong number of bundles is refused before anything starts."""
     from pagedserve.config import EngineConfig, WorkerPlacement
-    from pagedserve.workers.ray_executor import RayExecutor
+    from pagedserve.executor.ray_executor import RayExecutor
 
     config = EngineConfig(model="tiny", tensor_parallel_size=2)  # not resolved: refused first
     with pytest.raises(ValueError, match=r"2 ranks: need one per rank"):
