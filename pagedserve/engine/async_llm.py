@@ -95,7 +95,7 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """`placement`: the bundles of a Ray Serve replica's group for the workers (see Executor.create)."""
+        """`placement`: the bundles of a Ray Serve replica's group for the workers (see create_executor)."""
         self.is_core_process = config.engine_core_process
         self.engine: LLMEngine | ProcEngine = (ProcEngine if self.is_core_process else LLMEngine)(config, placement)
         self.config = config

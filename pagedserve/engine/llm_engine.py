@@ -23,7 +23,8 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.executor.executor import Executor, WorkerGroupError
+from pagedserve.executor.executor import WorkerGroupError
+from pagedserve.executor.factory import create_executor, executor_class
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,15 @@ class EngineDeadError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """`placement`: the bundles of a Ray Serve replica's group for its workers (see Executor.create)."""
+        """`placement`: the bundles of a Ray Serve replica's group for its workers (see create_executor)."""
         self.config = config
         self.placement = placement
         # The executor picks the device: only it knows where the ranks run (the Ray one starts
         # or joins Ray, with a CPU slot per rank, to ask).
-        model_config = resolve_model_config(config, Executor.class_for(config).resolve_device)
+        model_config = resolve_model_config(config, executor_class(config).resolve_device)
         self.tokenizer = load_tokenizer(model_config.tokenizer_path)
         self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
-        self.executor = Executor.create(config, self.model_config, placement)
+        self.executor = create_executor(config, self.model_config, placement)
         try:
             num_blocks = self._initialize_kv_cache()
             self.model_config = _fit_max_model_len(self.model_config, config.max_model_len, num_blocks * config.block_size)
@@ -170,7 +171,7 @@ class LLMEngine:
         if self._consecutive_failures > self.config.max_worker_restarts:
             return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
         try:
-            executor = Executor.create(self.config, self.model_config, self.placement)
+            executor = create_executor(self.config, self.model_config, self.placement)
         except Exception as rebuild_error:
             return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
         self.executor = executor
