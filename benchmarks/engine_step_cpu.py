@@ -52,7 +52,7 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
     """Thread-CPU seconds of each part, per decode step, with `num_requests` running."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.engine.output_processor import OutputProcessor
-    from pagedserve.engine.scheduler import Scheduler
+    from pagedserve.engine.core.scheduler import Scheduler
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 from pagedserve.cluster.prefix_router import PrefixAwareRouter, ReplicaPrefixTable
 from pagedserve.cluster.routing_stats import RoutingStats, RoutingStatsReporter
 from pagedserve.config import DeploymentConfig, ServerConfig
-from pagedserve.engine.block_pool import BlockPool, extend_block_hashes, hash_block_tokens, routing_key
+from pagedserve.engine.core.block_pool import BlockPool, extend_block_hashes, hash_block_tokens, routing_key
 from pagedserve.engine.metrics import EngineStats
 
 BLOCK = 4

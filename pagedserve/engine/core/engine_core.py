@@ -27,7 +27,7 @@ from pagedserve.engine.core.step_clock import StepClock
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import child_request_id
-from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.core.request import RequestStatus
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

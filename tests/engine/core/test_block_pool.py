@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
 
 def _chain(token_blocks: list[list[int]]) -> list[bytes]:

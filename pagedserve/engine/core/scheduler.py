@@ -22,9 +22,9 @@ import time
 from collections import deque
 
 from pagedserve.engine.engine_core_output import EngineCoreOutput
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
