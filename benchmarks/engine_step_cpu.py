@@ -78,19 +78,19 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
     timed(ModelRunner, "execute_model", "runner_step")
     timed(ModelRunner, "_forward", "model_and_sampler")
     timed(Sampler, "__call__", "model_and_sampler")
-    timed(engine.executor.worker.runner.model, "compute_logits", "model_and_sampler")  # the in-process rank
+    timed(engine.engine_core.engine_core.executor.worker.runner.model, "compute_logits", "model_and_sampler")  # the in-process rank
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     min_len, max_len = map(int, prompt_len.split(":"))
     for i in range(num_requests):
         prompt = [rng.randint(10, 500) for _ in range(rng.randint(min_len, max_len))]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    while engine.engine_core.engine_core.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.engine_core.engine_core.scheduler.running):
         engine.step()  # prefill everything first: the figure is for steady decoding
     for values in samples.values():
         values.clear()
     for _ in range(steps):
-        assert engine.scheduler.num_running == num_requests
+        assert engine.engine_core.engine_core.scheduler.num_running == num_requests
         engine.step()
     llm.shutdown()
     # Three timed calls per step make up the model and sampler time (forward, logits, sampler).
