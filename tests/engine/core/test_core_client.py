@@ -5,6 +5,7 @@ never the thread, or every later request would wait forever."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 
@@ -21,6 +22,17 @@ def add_request_size(llm: LLM, prompt: str, params: SamplingParams) -> int:
     return len(pickle.dumps(AddRequest("r", processed, params, 0.0), protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def generate_within(llm: LLM, prompts: list[str], params: list[SamplingParams], timeout: float = 120) -> list:
+    """llm.generate, failing the test (not hanging it) if the requests never come back: a dead
+    sender thread leaves them waiting forever (the finally's shutdown then ends the call)."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(llm.generate(prompts, params, use_tqdm=False)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert results, f"the requests did not come back within {timeout:.0f} s"
+    return results[0]
+
+
 def test_an_unsendable_request_fails_alone_and_the_sender_goes_on(model_dirs, monkeypatch):
     llm = LLM(str(model_dirs["llama"]), max_model_len=128, dtype="float32", **CORE)
     try:
@@ -29,10 +41,10 @@ def test_an_unsendable_request_fails_alone_and_the_sender_goes_on(model_dirs, mo
         assert big_size > small_size + 2000
         # The front end's limit now lies between the two: the big request cannot be sent.
         monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", small_size + 1000)
-        outputs = llm.generate(["Hello", "Hello", "Hello"], [GREEDY, big, GREEDY], use_tqdm=False)
+        outputs = generate_within(llm, ["Hello", "Hello", "Hello"], [GREEDY, big, GREEDY])
         assert [o.outputs[0].finish_reason for o in outputs] == ["length", "abort", "length"]
         # Later requests still reach the core.
-        again = llm.generate(["Hello"], GREEDY, use_tqdm=False)
+        again = generate_within(llm, ["Hello"], [GREEDY])
         assert again[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     finally:
         llm.shutdown()
