@@ -52,7 +52,10 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
     """Thread-CPU seconds of each part, per decode step, with `num_requests` running."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.engine.output_processor import OutputProcessor
-    from pagedserve.engine.scheduler import Scheduler
+    try:
+        from pagedserve.engine.core.scheduler import Scheduler
+    except ImportError:  # a baseline tree from before the engine/core split
+        from pagedserve.engine.scheduler import Scheduler
     from pagedserve.workers.model_runner import ModelRunner
     from pagedserve.workers.sampler import Sampler
 
@@ -72,25 +75,27 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
 
     llm = LLM("tiny", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512, enforce_eager=True)
     engine = llm.llm_engine
+    # The in-process core: behind the core client in this tree, the engine itself in older trees.
+    core = engine.engine_core.engine_core if hasattr(engine, "engine_core") else engine
     timed(Scheduler, "schedule", "schedule")
     timed(Scheduler, "update_from_output", "update")
     timed(OutputProcessor, "process_outputs", "detokenize_and_outputs")
     timed(ModelRunner, "execute_model", "runner_step")
     timed(ModelRunner, "_forward", "model_and_sampler")
     timed(Sampler, "__call__", "model_and_sampler")
-    timed(engine.executor.worker.runner.model, "compute_logits", "model_and_sampler")  # the in-process rank
+    timed(core.executor.worker.runner.model, "compute_logits", "model_and_sampler")  # the in-process rank
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     min_len, max_len = map(int, prompt_len.split(":"))
     for i in range(num_requests):
         prompt = [rng.randint(10, 500) for _ in range(rng.randint(min_len, max_len))]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         engine.step()  # prefill everything first: the figure is for steady decoding
     for values in samples.values():
         values.clear()
     for _ in range(steps):
-        assert engine.scheduler.num_running == num_requests
+        assert core.scheduler.num_running == num_requests
         engine.step()
     llm.shutdown()
     # Three timed calls per step make up the model and sampler time (forward, logits, sampler).

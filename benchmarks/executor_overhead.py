@@ -20,7 +20,7 @@ import statistics
 import time
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,7 +42,7 @@ def measure(engine_args: dict, batch: int, steps: int) -> dict:
         empty = []
         for _ in range(steps):
             start = time.perf_counter()
-            engine.executor.execute_model(SchedulerOutput.empty())
+            engine.engine_core.engine_core.executor.execute_model(SchedulerOutput.empty())
             empty.append(time.perf_counter() - start)
         params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
         for i in range(batch):

@@ -116,7 +116,7 @@ def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: d
     llm = LLM(str(folder), max_num_seqs=max(args.batch_sizes), max_model_len=max_len,
               max_num_batched_tokens=max(8192, max_len), **engine_kwargs(backend, args))
     engine, rows = llm.llm_engine, []
-    runner = engine.executor.worker.runner
+    runner = engine.engine_core.engine_core.executor.worker.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # tied: once
     kv_bytes_per_token = runner.kv_cache_bytes_per_block() // engine.config.block_size  # all layers
     try:
@@ -126,7 +126,7 @@ def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: d
             for i in range(batch):
                 prompt = [rng.randint(10, 500) for _ in range(args.context_len)]
                 engine.add_request(f"{batch}-{i}", {"prompt_token_ids": prompt}, params)
-            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            while engine.engine_core.engine_core.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.engine_core.engine_core.scheduler.running):
                 engine.step()  # prefill every sequence first: the figure is for steady decoding
             times = [_timed(engine.step) for _ in range(args.decode_steps)]
             while engine.has_unfinished_requests():

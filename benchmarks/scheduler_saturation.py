@@ -59,7 +59,7 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     offsets = arrival_offsets(len(prompts), rate, random.Random(args.seed))
     steps: list[tuple[int, int, float]] = []  # decodes, prefill tokens, seconds
-    original_schedule = engine.scheduler.schedule
+    original_schedule = engine.engine_core.engine_core.scheduler.schedule
 
     def schedule():
         output = original_schedule()
@@ -67,8 +67,8 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
         steps.append((sum(1 for n in counts if n == 1), sum(n for n in counts if n > 1), 0.0))
         return output
 
-    engine.scheduler.schedule = schedule
-    preemptions_before = engine.scheduler.num_preemptions_total
+    engine.engine_core.engine_core.scheduler.schedule = schedule
+    preemptions_before = engine.engine_core.engine_core.scheduler.num_preemptions_total
     token_times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
     start = time.monotonic()
@@ -92,7 +92,7 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
                 new = len(output.outputs[0].token_ids) if output.outputs else 0
                 token_times.setdefault(output.request_id, []).extend([done] * new)
     finally:
-        engine.scheduler.schedule = original_schedule
+        engine.engine_core.engine_core.scheduler.schedule = original_schedule
     duration = time.monotonic() - start
     ttft = [times[0] - arrivals[req_id] for req_id, times in token_times.items()]
     itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
@@ -110,7 +110,7 @@ def run_rate(engine, prompts: list[list[int]], rate: float, args: argparse.Names
         "mean_prefill_tokens_per_step": round(statistics.mean(s[1] for s in busy), 1),
         "median_step_ms": round(statistics.median(s[2] for s in busy) * 1e3, 1),
         "mixed_steps": sum(1 for s in busy if s[0] and s[1]),
-        "num_preemptions": engine.scheduler.num_preemptions_total - preemptions_before,
+        "num_preemptions": engine.engine_core.engine_core.scheduler.num_preemptions_total - preemptions_before,
     }
 
 
@@ -130,7 +130,7 @@ def main() -> None:
             args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), **overrides
         )
         engine = llm.llm_engine
-        scheduler = engine.scheduler
+        scheduler = engine.engine_core.engine_core.scheduler
         name = f"{scheduler.max_num_batched_tokens}x{scheduler.max_num_seqs}"
         llm.generate([{"prompt_token_ids": prompts[0]}], use_tqdm=False)  # warm-up
         report["runs"][name] = {}

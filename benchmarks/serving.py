@@ -217,9 +217,10 @@ def _device_name(engine_args: dict) -> str:
     """The in-process engine's device; GPU runs must say which GPU (DESIGN.md, Performance)."""
     import torch
 
-    from pagedserve.workers.executor import resolve_device
+    from pagedserve.config import EngineConfig
+    from pagedserve.executor.uniproc_executor import UniProcExecutor
 
-    is_cuda = resolve_device(engine_args.get("device", "auto")) == "cuda"
+    is_cuda = UniProcExecutor.resolve_device(EngineConfig.model_construct(device=engine_args.get("device", "auto"))) == "cuda"
     return torch.cuda.get_device_name(0) if is_cuda else "cpu"
 
 

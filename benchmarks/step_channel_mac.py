@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers import step_channel
 

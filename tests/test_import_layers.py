@@ -1,15 +1,16 @@
-"""Data flows one way: cluster -> engine -> workers -> kernels, with config and sampling_params
-at the bottom (see DESIGN.md, "Data flows one way"). Every `import` in pagedserve/ is read from
-the AST, at module level and inside functions alike (a function-level import is a dependency
-too, only a later one), and checked against the layer it may reach.
+"""Data flows one way: cluster -> engine -> executor -> workers -> kernels, with the step types
+and config as leaves at the bottom (see DESIGN.md, "Data flows one way"). Every `import` in
+pagedserve/ is read from the AST, at module level and inside functions alike (a function-level
+import is a dependency too, only a later one), and checked against the layer it may reach.
 
 The rules:
 - a module may import its own layer and any layer below it, never one above;
 - kernels import nothing of the project outside kernels;
-- workers may import of the engine only its boundary types (ENGINE_BOUNDARY);
-- the bottom layer imports only the bottom layer, and config.py only leaves: bottom modules that
-  import nothing of the project themselves (config describes; it neither resolves models nor
-  starts Ray).
+- the step types (what crosses the engine <-> worker boundary) and config.py import only leaves:
+  bottom modules that import nothing of the project themselves (config describes; it neither
+  resolves models nor starts Ray; the step types are plain data both sides read);
+- the bottom layer imports only the bottom layer;
+- no module reaches itself through its imports (no circle), wherever the imports sit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # "engine"); a top-level module's is given in TOP_LEVEL_MODULES. A top-level module named in
 # neither is in no layer, which the test reports: a new module must be placed on purpose.
 ENTRY = "entry"  # what people run or import first: it may import anything, nothing imports it
-LAYERS = [ENTRY, "cluster", "engine", "workers", "kernels", "bottom"]
+LAYERS = [ENTRY, "cluster", "engine", "executor", "workers", "kernels", "step_types", "bottom"]
+# Layers whose modules may import only leaves (see is_leaf), beside their own layer.
+LEAF_IMPORTERS = {"step_types"}
 
 # Every top-level module's layer, each for a reason.
 TOP_LEVEL_MODULES = {
@@ -38,7 +41,7 @@ TOP_LEVEL_MODULES = {
     "pagedserve.sampling_params": "bottom",  # a request's parameters
     "pagedserve.inputs": "bottom",  # prompts: the typed dicts the engine and the server take
     "pagedserve.request_ids": "bottom",  # the shapes of request ids: the engine's child ids, the cluster's others
-    # Starting or joining Ray: the cluster (replica placement) and the workers (the Ray executor)
+    # Starting or joining Ray: the cluster (replica placement) and the Ray executor
     # both need it, so it sits below both; it imports nothing of the project.
     "pagedserve.ray_env": "bottom",
     # Model name -> checkpoint folder -> ModelConfig. The engine resolves the model once, before
@@ -53,14 +56,10 @@ TOP_LEVEL_MODULES = {
     "pagedserve.gguf_checkpoint": "engine",
 }
 
-# The engine's types that cross the engine <-> worker boundary, the only engine modules workers
-# may import: the scheduler's output (the workers' input) and the model runner's output.
-ENGINE_BOUNDARY = {"pagedserve.engine.scheduler_output", "pagedserve.engine.model_runner_output"}
-
 
 @dataclass(frozen=True)
 class Import:
-    target: str  # the imported module, e.g. "pagedserve.engine.scheduler_output"
+    target: str  # the imported module, e.g. "pagedserve.step_types.scheduler_output"
     line: int
     in_function: str | None  # the enclosing function's name for a function-level import
 
@@ -142,16 +141,16 @@ def violation(importer: str, imported: Import) -> str | None:
         return f"{importer} is in no layer: place it in tests/test_import_layers.py"
     if theirs is None:
         return f"{target} is in no layer: place it in tests/test_import_layers.py"
-    if mine == ENTRY or (mine == "workers" and target in ENGINE_BOUNDARY):
+    if mine == ENTRY:
         return None
-    if mine == "workers" and theirs == "engine":
-        return f"workers may import of the engine only its boundary types {sorted(ENGINE_BOUNDARY)}, not {target}"
     if LAYERS.index(theirs) < LAYERS.index(mine):
         return f"imports upward: {mine} may not import {theirs} ({target})"
     if mine == "kernels" and theirs != "kernels":
         return f"kernels import nothing of the project, not {target}"
     if importer == "pagedserve.config" and not is_leaf(target):
         return f"config may import only leaves (modules that import nothing of the project), not {target}"
+    if mine in LEAF_IMPORTERS and theirs != mine and not is_leaf(target):
+        return f"{mine} may import only leaves (modules that import nothing of the project), not {target}"
     return None
 
 
@@ -175,22 +174,69 @@ def test_imports_respect_the_layers(path):
     assert not found, "\n" + "\n".join(found)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Every module -> the project modules it imports (a package's __init__ is the package)."""
+    graph: dict[str, set[str]] = {}
+    for path in FILES:
+        name = module_name(path)
+        targets = {i.target for i in project_imports(path.read_text(), name, path.name == "__init__.py")}
+        graph[name] = {t for t in targets if t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle in `graph` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the path, "done" once all it reaches is checked
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_circles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
 # ---- the checker itself ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "importer, source, fragment",
     [
-        ("pagedserve.workers.worker", "def f():\n    from pagedserve.engine.scheduler import Scheduler\n", "boundary types"),
+        ("pagedserve.workers.worker", "def f():\n    from pagedserve.engine.core.scheduler import Scheduler\n", "imports upward"),
+        ("pagedserve.workers.worker", "from pagedserve.executor.executor import Executor\n", "imports upward"),
+        ("pagedserve.executor.executor", "from pagedserve.engine.core.request import Request\n", "imports upward"),
+        ("pagedserve.step_types.scheduler_output", "from pagedserve.workers import worker\n", "imports upward"),
         ("pagedserve.workers.worker", "from pagedserve.cluster import app\n", "imports upward"),
         ("pagedserve.kernels.reference", "import pagedserve.config\n", "kernels import nothing"),
         ("pagedserve.config", "def f():\n    from pagedserve.model_resolver import resolve_checkpoint\n", "imports upward"),
         ("pagedserve.config", "def f():\n    from pagedserve.demo import ensure_demo_model\n", "imports upward"),
-        ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "boundary types"),
-        ("pagedserve.ray_env", "from pagedserve.workers import ray_executor\n", "imports upward"),
-        ("pagedserve.engine.scheduler", "from ..cluster import app\n", "imports upward"),
-        ("pagedserve.sampling_params", "from pagedserve.engine import scheduler_output\n", "imports upward"),
-        ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "boundary types"),
+        ("pagedserve.workers.model_loader", "from pagedserve.model_resolver import resolve_model_path\n", "imports upward"),
+        ("pagedserve.ray_env", "from pagedserve.executor import ray_executor\n", "imports upward"),
+        ("pagedserve.engine.core.scheduler", "from ...cluster import app\n", "imports upward"),
+        ("pagedserve.sampling_params", "from pagedserve.step_types import scheduler_output\n", "imports upward"),
+        ("pagedserve.workers.worker", "from pagedserve.engine.engine_core_output import FinishReason\n", "imports upward"),
     ],
 )
 def test_the_checker_catches(importer, source, fragment):
@@ -198,23 +244,27 @@ def test_the_checker_catches(importer, source, fragment):
     assert any(r is not None and fragment in r for r in reasons), reasons
 
 
-def test_the_checker_lets_config_import_only_leaves(monkeypatch):
-    """Every bottom module is a leaf today; pretend ray_env imported something."""
-    imported = project_imports("from pagedserve.ray_env import cluster_resources\n", "pagedserve.config")
-    assert [violation("pagedserve.config", i) for i in imported] == [None]
+@pytest.mark.parametrize("importer", ["pagedserve.config", "pagedserve.step_types.scheduler_output"])
+def test_the_checker_lets_config_and_step_types_import_only_leaves(monkeypatch, importer):
+    """Every bottom module is a leaf today; pretend sampling_params imported something."""
+    imported = project_imports("from pagedserve.sampling_params import SamplingParams\n", importer)
+    assert [violation(importer, i) for i in imported] == [None]
     monkeypatch.setitem(globals(), "is_leaf", lambda name: False)
-    reasons = [violation("pagedserve.config", i) for i in imported]
+    reasons = [violation(importer, i) for i in imported]
     assert reasons and "only leaves" in reasons[0], reasons
 
 
 @pytest.mark.parametrize(
     "importer, source",
     [
-        ("pagedserve.workers.worker", "from pagedserve.engine.scheduler_output import SchedulerOutput\n"),
-        ("pagedserve.workers.worker", "from pagedserve.engine import model_runner_output\n"),
-        ("pagedserve.cluster.app", "from pagedserve.workers.executor import Executor\n"),
+        ("pagedserve.workers.worker", "from pagedserve.step_types.scheduler_output import SchedulerOutput\n"),
+        ("pagedserve.workers.worker", "from pagedserve.step_types import model_runner_output\n"),
+        ("pagedserve.cluster.app", "from pagedserve.executor.executor import Executor\n"),
+        ("pagedserve.engine.llm_engine", "from pagedserve.executor.factory import create_executor\n"),
+        ("pagedserve.executor.ray_executor", "from pagedserve.workers.worker import Worker\n"),
+        ("pagedserve.step_types.scheduler_output", "from pagedserve.sampling_params import SamplingParams\n"),
         ("pagedserve.config", "from pagedserve.sampling_params import SamplingParams\n"),
-        ("pagedserve.engine.scheduler", "from .request import Request\n"),
+        ("pagedserve.engine.core.scheduler", "from .request import Request\n"),
         ("pagedserve.cli", "from pagedserve.cluster.launcher import serve_forever\n"),
     ],
 )

@@ -43,6 +43,7 @@ from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
 from pagedserve.cluster.stream_items import Handover, StreamItem, overloaded
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
+from pagedserve.engine.fan_out import child_params
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.inputs import ServerPrompt, TokensPrompt, tokens_prompt
@@ -79,7 +80,7 @@ class ResumingClient:
 
     A stream of n > 1 samples that has sent text moves as n one-sample requests, one per choice
     not finished yet, each resuming from what the client has of it: the engine runs a request's
-    n samples as n requests anyway (`SamplingParams.for_child`: choice i has the seed `seed + i`),
+    n samples as n requests anyway (engine/fan_out.py: choice i has the seed `seed + i`),
     so greedy and seeded choices go on exactly as undisturbed; each can move again later."""
 
     def __init__(self, client: Any, registry: HandoverRegistry = REGISTRY):
@@ -121,7 +122,7 @@ class ResumingClient:
         streams = []
         for index, choice in choices.items():
             one = StreamProgress(progress.prompt_token_ids, {0: choice}, progress.num_items) if choice.output_token_ids else None
-            streams.append(self.generate(choice_request_id(request_id, index), prompt, params.for_child(index), one))
+            streams.append(self.generate(choice_request_id(request_id, index), prompt, child_params(params, index), one))
         num_left = len(choices)
         async for position, item in merge_streams(streams):
             if not isinstance(item, RequestOutput):

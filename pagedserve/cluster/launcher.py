@@ -26,7 +26,7 @@ def serve_forever(config: ServerConfig) -> int:
     from ray import serve
 
     from pagedserve.cluster.app import build_app
-    from pagedserve.workers.ray_executor import ensure_ray_initialized
+    from pagedserve.ray_env import ensure_ray_initialized
 
     config.resolve_api_key()  # a key file that is missing or empty stops us before Ray starts
     # Each replica takes a CPU slot, and so does each rank of a CPU engine.

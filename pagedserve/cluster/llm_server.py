@@ -59,8 +59,8 @@ class LLMServer:
         replica_id = serve.get_replica_context().replica_id
         self.replica_id = str(replica_id)
         self.metrics_hub = metrics_hub
-        kv_cache_manager = getattr(self.llm.engine, "kv_cache_manager", None)  # None: the core runs in its own process
-        self.routing_stats = RoutingStatsReporter(kv_cache_manager.pool if kv_cache_manager is not None else None)
+        core = getattr(self.llm.engine.engine_core, "engine_core", None)  # None: the core runs in its own process
+        self.routing_stats = RoutingStatsReporter(core.kv_cache_manager.pool if core is not None else None)
         self._stopped = threading.Event()
         if metrics_hub is not None:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()

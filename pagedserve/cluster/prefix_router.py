@@ -36,7 +36,7 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingReque
 from pagedserve.cluster.handover_router import HandoverMixin
 from pagedserve.cluster.ray_internals import PowerOfTwoChoicesRequestRouter
 from pagedserve.cluster.routing_stats import RoutingStats
-from pagedserve.engine.block_pool import extend_block_hashes, routing_key
+from pagedserve.engine.core.block_pool import extend_block_hashes, routing_key
 from pagedserve.inputs import is_tokens_prompt
 
 # What a table remembers of a replica before its first report names the cache's size.

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedserve.engine.block_pool import BlockPool
+from pagedserve.engine.core.block_pool import BlockPool
 from pagedserve.engine.metrics import EngineStats
 
 # Keys listed in one report at most (the report travels through the controller to every

@@ -1,14 +1,11 @@
 """AsyncLLM: the engine behind asyncio callers, streaming each request's outputs.
 
-Two modes (EngineConfig.engine_core_process):
-- In-process: the engine loop runs in a background thread. It alone touches the scheduler and
-  the output processor (so neither needs locks); callers validate their input in their own
-  thread, then hand the request over through a command queue. The loop sleeps on a condition
-  variable whenever it has nothing to do: an idle engine uses no CPU.
-- Core process: the scheduler and executor run in a child process (engine/core/); callers send
-  requests to it at once, and an output thread here turns each step's news into outputs
-  (detokenizing, stop strings) while the core runs its next step.
-Each request's outputs reach its caller through an asyncio queue on the caller's loop.
+Callers validate their input in their own thread and hand the request to the LLMEngine at once
+(its core client never makes them wait for a step). One output thread runs the engine's steps:
+each waits for the core's next step (in this process or its own, EngineConfig.engine_core_process)
+and turns its news into outputs (detokenizing, stop strings), which reach each request's caller
+through an asyncio queue on the caller's loop. With nothing to do, the core's client sleeps: an
+idle engine uses no CPU.
 
 An error inside the loop (or an engine that died because its workers could not be rebuilt) is
 delivered to every waiting caller; `is_healthy` turns false for health checks.
@@ -25,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedserve.config import EngineConfig, WorkerPlacement
-from pagedserve.engine.core.proc_engine import ProcEngine
-from pagedserve.engine.input_processor import ProcessedPrompt, PromptType, ResumeState
+from pagedserve.engine.input_processor import PromptType, ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
@@ -40,19 +36,6 @@ SHUTDOWN_REASON = "the engine is shutting down"
 
 class EngineOverloadedError(RuntimeError):
     """More engine requests wait for a slot than `max_waiting_requests` allows: retry later."""
-
-
-@dataclass
-class _AddCommand:
-    request_id: str
-    processed: ProcessedPrompt
-    params: SamplingParams
-    arrival_time: float
-
-
-@dataclass
-class _AbortCommand:
-    request_id: str
 
 
 @dataclass
@@ -95,22 +78,16 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """`placement`: the bundles of a Ray Serve replica's group for the workers (see Executor.create)."""
-        self.is_core_process = config.engine_core_process
-        self.engine: LLMEngine | ProcEngine = (ProcEngine if self.is_core_process else LLMEngine)(config, placement)
+        """`placement`: the bundles of a Ray Serve replica's group for the workers (see create_executor)."""
+        self.engine = LLMEngine(config, placement)
         self.config = config
         self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._commands: deque[_AddCommand | _AbortCommand] = deque()
-        self._num_queued_children = 0  # engine requests (n each) of add commands not applied yet
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopping = False
-        self._step_started: float | None = None  # set by the loop thread while a step runs
         self._stats = self.engine.stats_snapshot()  # refreshed by the loop thread
         self._stats_time = 0.0
-        target = self._run_outputs if self.is_core_process else self._run
-        self._thread = threading.Thread(target=target, name="pagedserve-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -135,7 +112,7 @@ class AsyncLLM:
             return str(self._error)
         if self._stopping:
             return SHUTDOWN_REASON
-        started = self.engine.step_started if self.is_core_process else self._step_started
+        started = self.engine.step_started
         if started is not None and time.monotonic() - started > self.config.step_timeout_s:
             return f"an engine step has been running for {time.monotonic() - started:.0f} s (step_timeout_s={self.config.step_timeout_s:g})"
         return self.engine.dead_reason or (None if self._thread.is_alive() else "the engine loop has stopped")
@@ -156,7 +133,11 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._admit(sampling_params.n)
             self._streams[request_id] = stream
-            self._submit(_AddCommand(request_id, processed, sampling_params, time.monotonic()))
+            try:
+                self.engine.add_processed_request(request_id, processed, sampling_params, time.monotonic())
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
         finished = False
         try:
             while not finished:
@@ -175,38 +156,18 @@ class AsyncLLM:
         with self._lock:
             self._streams.pop(request_id, None)
             if not self._stopping:
-                self._submit(_AbortCommand(request_id))
-
-    def _submit(self, command: _AddCommand | _AbortCommand) -> None:
-        """Under the lock. A core process takes commands at once (its engine is thread-safe);
-        an in-process engine's loop thread applies them between steps."""
-        if self.is_core_process:
-            try:
-                self._apply(command, raise_errors=True)
-            except BaseException:
-                self._streams.pop(command.request_id, None)
-                raise
-            return
-        self._commands.append(command)
-        if isinstance(command, _AddCommand):
-            self._num_queued_children += command.params.n
-        self._wakeup.notify()
+                self.engine.abort_request(request_id)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """End every open stream with EngineDeadError at once (later calls fail at once too),
-        wait for the loop thread to leave a running step, then release the workers. A step
-        still running after `timeout` (wedged) does not hold the shutdown up forever."""
+        """End every open stream with EngineDeadError at once (later calls fail at once too);
+        the core finishes its running step, then releases the workers. A step still running
+        after `timeout` (wedged) does not hold the shutdown up forever."""
         with self._lock:
             self._stopping = True
-            self._wakeup.notify()
         self._end_streams(EngineDeadError(SHUTDOWN_REASON))
-        if self.is_core_process:  # the core leaves its step, releases its workers and exits
-            self.engine.shutdown(timeout)
+        self.engine.shutdown(timeout)  # the output thread's wait for the next step then ends
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("an engine step is still running after %.0f s; releasing the workers under it", timeout)
-        self.engine.shutdown()
 
     def stats(self) -> EngineStats:
         """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy)."""
@@ -222,7 +183,7 @@ class AsyncLLM:
         limit = self.config.max_waiting_requests
         if limit is None:
             return
-        num_waiting = self.engine.num_waiting_requests + self._num_queued_children
+        num_waiting = self.engine.num_waiting_requests
         if num_waiting + num_children > limit:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_waiting} requests wait for the engine (max_waiting_requests={limit}); retry later"
@@ -231,46 +192,17 @@ class AsyncLLM:
     # ---- the loop thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    if not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                        self._refresh_stats(force=True)  # going idle: publish the final state
-                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                        self._wakeup.wait()
-                    if self._stopping:
-                        break
-                    commands = list(self._commands)
-                    self._commands.clear()
-                    self._num_queued_children = 0
-                for command in commands:
-                    self._apply(command)
-                if self.engine.has_unfinished_requests():
-                    self._step_started = time.monotonic()
-                    try:
-                        outputs = self.engine.step()
-                    finally:
-                        self._step_started = None
-                    self._deliver(outputs)
-                    self._refresh_stats()
-                    if self.engine.is_dead:
-                        raise EngineDeadError(self.engine.dead_reason)
-        except BaseException as error:  # the loop must never die silently
-            logger.exception("engine loop failed")
-            self._fail(error)
-
-    def _run_outputs(self) -> None:
-        """The output thread of a core process: each of its steps in turn, until it ends."""
+        """The output thread: each of the core's steps in turn, until shutdown."""
         try:
             while not self._stopping:
                 outputs = self.engine.step()  # waits for the core's next step
                 self._deliver(outputs)
-                self._refresh_stats(force=not self.engine.has_unfinished_requests())
+                self._refresh_stats(force=not self.engine.has_unfinished_requests())  # idle: the final state
                 if self.engine.is_dead:
                     raise EngineDeadError(self.engine.dead_reason)
-        except BaseException as error:
-            if not self._stopping:  # at shutdown the core's exit is expected
-                logger.exception("engine core failed")
+        except BaseException as error:  # the loop must never die silently
+            if not self._stopping:  # at shutdown the core's end is expected
+                logger.exception("engine loop failed")
                 self._fail(error)
 
     def _refresh_stats(self, force: bool = False) -> None:
@@ -279,19 +211,6 @@ class AsyncLLM:
         if force or now - self._stats_time >= STATS_INTERVAL_S:
             self._stats = self.engine.stats_snapshot()
             self._stats_time = now
-
-    def _apply(self, command: _AddCommand | _AbortCommand, raise_errors: bool = False) -> None:
-        if isinstance(command, _AbortCommand):
-            self.engine.abort_request(command.request_id)
-            return
-        try:
-            self.engine.add_processed_request(command.request_id, command.processed, command.params, command.arrival_time)
-        except Exception as error:  # reaches only this request's caller
-            if raise_errors:
-                raise
-            stream = self._streams.get(command.request_id)
-            if stream is not None:
-                stream.put(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

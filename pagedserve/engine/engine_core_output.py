@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pagedserve.engine.model_runner_output import TokenLogprobs
+from pagedserve.step_types.model_runner_output import TokenLogprobs
 
 
 class FinishReason(enum.Enum):

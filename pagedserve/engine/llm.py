@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import render_chat
-from pagedserve.engine.core.proc_engine import ProcEngine
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
@@ -29,10 +28,10 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any):
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine: LLMEngine | ProcEngine = (ProcEngine if config.engine_core_process else LLMEngine)(config)
+        self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
         # Release workers and caches on shutdown(), garbage collection or interpreter exit.
-        self._finalizer = weakref.finalize(self, type(self.llm_engine).shutdown, self.llm_engine)
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.llm_engine)
         atexit.register(self._finalizer)
 
     def get_tokenizer(self) -> Any:

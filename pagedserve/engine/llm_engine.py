@@ -1,34 +1,30 @@
-"""The synchronous engine: add requests, step, read outputs.
+"""LLMEngine, the front end: an input processor, a core client and an output processor.
 
-A step is: schedule -> execute on the workers -> update the scheduler -> detokenize and build
-outputs. The engine reaches the model only through its `Executor`.
+A request is tokenized and checked here (InputProcessor), sent to the engine core through its
+client (in this process or its own, see engine/core/client.py), and each step's news comes back
+to be detokenized, checked for stop strings and merged into user-facing outputs
+(OutputProcessor). `LLM` and `AsyncLLM` both drive one of these.
+
+Threads: add and abort may be called from any thread while one thread calls `step` (AsyncLLM's
+output thread); one lock guards the output processor.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import threading
 import time
 from typing import Any
 
-from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
+from pagedserve.config import EngineConfig, WorkerPlacement
+from pagedserve.engine.core.make_client import make_client
+from pagedserve.engine.core.messages import AbortRequests, AddRequest, StopRequests
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.step_split import merge_outputs, split_step
-from pagedserve.engine.structured_outputs import StructuredOutputManager
 from pagedserve.engine.tokenizer import load_tokenizer
-from pagedserve.model_resolver import resolve_model_config
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.executor import Executor, StepTooLargeError, WorkerGroupError
-
-logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -37,66 +33,39 @@ class EngineDeadError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """`placement`: the bundles of a Ray Serve replica's group for its workers (see Executor.create)."""
+        """`placement`: the bundles of a Ray Serve replica's group for its workers (see create_executor)."""
         self.config = config
-        self.placement = placement
-        # The executor picks the device: only it knows where the ranks run (the Ray one starts
-        # or joins Ray, with a CPU slot per rank, to ask).
-        model_config = resolve_model_config(config, Executor.class_for(config).resolve_device)
-        self.tokenizer = load_tokenizer(model_config.tokenizer_path)
-        self.model_config = _with_tokenizer_eos(model_config, self.tokenizer)
-        self.executor = Executor.create(config, self.model_config, placement)
-        try:
-            num_blocks = self._initialize_kv_cache()
-            self.model_config = _fit_max_model_len(self.model_config, config.max_model_len, num_blocks * config.block_size)
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.num_kv_blocks = num_blocks
-        self.num_worker_restarts = 0
-        self._consecutive_failures = 0
-        self.dead_reason: str | None = None
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, list(self.model_config.eos_token_ids),
-            config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
-            max_num_seqs=config.max_num_seqs,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            structured_outputs=self.structured_outputs,
-        )
+        self.engine_core = make_client(config, placement)
+        self.model_config = self.engine_core.model_config
+        self.num_kv_blocks = self.engine_core.num_kv_blocks
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer_path)
         self.input_processor = InputProcessor(self.tokenizer, config, self.model_config)
         self.stats = EngineStats()
-        # Its own tokenizer instance: under AsyncLLM the output side decodes on the loop thread
-        # while callers encode on theirs, and one fast tokenizer used from two threads can fail
-        # ("Already borrowed": encoding may reconfigure it mutably).
+        # Its own tokenizer instance: callers encode on their threads while step() decodes on
+        # another, and one fast tokenizer used from two threads can fail ("Already borrowed").
         self.output_processor = OutputProcessor(load_tokenizer(self.model_config.tokenizer_path), self.stats)
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.dead_reason: str | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
-    def _initialize_kv_cache(self) -> int:
-        num_blocks = self.executor.determine_num_kv_blocks()
-        if num_blocks < 1:
-            raise ValueError(
-                "the KV cache holds no block: give it more memory (kv_cache_memory_bytes, "
-                "gpu_memory_utilization) or set num_gpu_blocks_override"
-            )
-        # The engine's block pool and the workers' caches must agree on the count.
-        self.executor.initialize_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
-        return num_blocks
-
-    # ---- requests -------------------------------------------------------------------------
+    # ---- requests (any thread) ----------------------------------------------------------
 
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
+
+    @property
+    def step_started(self) -> float | None:
+        """time.monotonic() when the core's running step began; None between steps."""
+        return self.engine_core.step_started
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Engine requests (n per user request) waiting for a slot, those on their way included."""
+        return self.engine_core.num_waiting_requests
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
         """Validate and queue a request; raises ValueError (queueing nothing) on bad input."""
@@ -106,146 +75,69 @@ class LLMEngine:
         self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None
     ) -> None:
         """Queue a request that `input_processor.process` already validated (AsyncLLM validates
-        in the caller's thread, then hands it to the engine loop)."""
-        if self.is_dead:
-            raise EngineDeadError(self.dead_reason)
+        in the caller's thread)."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        resume = processed.resume
-        children = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time, resume)
-        for child_id, child_params in children:
-            request = Request(
-                child_id, processed.prompt_token_ids, child_params, self.eos_token_ids, self.model_config.max_model_len, arrival_time,
-                resume.output_token_ids if resume is not None else (), processed.cache_salt,
-            )
-            self.scheduler.add_request(request)
+        with self._lock:
+            if self.is_dead:
+                raise EngineDeadError(self.dead_reason)
+            self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params, arrival_time, processed.resume)
+            self.engine_core.send(AddRequest(request_id, processed, params, arrival_time))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        child_ids = self.output_processor.abort_requests(ids)
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        with self._lock:
+            child_ids = self.output_processor.abort_requests(ids)
+            if child_ids:
+                self.engine_core.send(AbortRequests(child_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    @property
-    def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting
+        return bool(self.output_processor.parents)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     def stats_snapshot(self) -> EngineStats:
-        """Counters and histograms so far, with the scheduler's gauges as of now."""
-        snapshot = self.stats.copy()
-        snapshot.num_requests_running = self.scheduler.num_running
-        snapshot.num_requests_waiting = self.scheduler.num_waiting
-        snapshot.kv_cache_usage_perc = self.kv_cache_manager.usage
-        snapshot.num_preemptions_total = self.scheduler.num_preemptions_total
-        snapshot.prefix_cache_queries_total = self.kv_cache_manager.num_prefix_queries
-        snapshot.prefix_cache_hits_total = self.kv_cache_manager.num_prefix_hits
+        """Counters and histograms so far, with the scheduler's gauges as of its latest step."""
+        with self._lock:
+            snapshot = self.stats.copy()
+        gauges = self.engine_core.gauges
+        for name in vars(gauges):
+            setattr(snapshot, name, getattr(gauges, name))
         return snapshot
 
-    # ---- the step ---------------------------------------------------------------------------
+    # ---- the step (one thread) ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Wait for the core's next step and return its outputs. Raises EngineDeadError when
+        the core has gone."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        scheduler_output = self.scheduler.schedule()
-        runner_output, refused = ModelRunnerOutput.empty(), []
-        # An idle step still runs when requests ended, so the workers drop their state.
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids:
-            try:
-                runner_output, refused = self._execute(scheduler_output)
-                self._consecutive_failures = 0
-            except WorkerGroupError as error:
-                # The step never happened: nothing of it reached the scheduler's request state.
-                return self._recover_from_worker_failure(error)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if refused:  # they sampled nothing, so nothing above touched them
-            request_outputs += self._refuse(refused)
-        return request_outputs
-
-    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
-        """The step's output, and the requests it could not send to the workers: a step too large
-        for the channel runs in parts; a request too large alone is refused (never a dead worker)."""
         try:
-            return self.executor.execute_model(scheduler_output), []
-        except StepTooLargeError as error:
-            parts, refused = split_step(scheduler_output, error.max_bytes)
-            logger.warning("%s: running it in %d parts; refusing %d request(s) too large alone", error, len(parts), len(refused))
-            return merge_outputs([self.executor.execute_model(part) for part in parts]), refused
+            step = self.engine_core.get_output()
+        except EOFError:
+            with self._lock:
+                self.dead_reason = self.dead_reason or self.engine_core.exit_reason()
+            raise EngineDeadError(self.dead_reason) from None
+        with self._lock:
+            outputs = self._process(step.outputs)
+            if step.dead_reason is not None:  # the core gave up its requests
+                self.dead_reason = step.dead_reason
+                outputs += self.output_processor.finish_aborted(list(self.output_processor.states))
+        return outputs
 
-    def _refuse(self, child_ids: list[str]) -> list[RequestOutput]:
-        """End requests whose data cannot reach the workers (finish_reason "abort")."""
-        logger.error("requests %s are too large for the step channel to the workers: ended", child_ids[:5])
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.finish_aborted(child_ids)
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Under the lock. Requests the core gave up (refused, or its workers lost) end as
+        aborted; the rest are detokenized, and those a stop string ended are stopped in the core."""
+        given_up = [o.req_id for o in core_outputs if o.finish_reason == FinishReason.ABORT and not o.new_token_ids]
+        outputs = self.output_processor.finish_aborted(given_up) if given_up else []
+        news = [o for o in core_outputs if not (o.finish_reason == FinishReason.ABORT and not o.new_token_ids)] if given_up else core_outputs
+        step_outputs, stopped = self.output_processor.process_outputs(news)
+        if stopped:
+            self.engine_core.send(StopRequests(stopped))
+        return outputs + step_outputs
 
-    # ---- recovery ---------------------------------------------------------------------------
-
-    def _recover_from_worker_failure(self, error: WorkerGroupError) -> list[RequestOutput]:
-        """Rebuild the worker group and requeue every in-flight request to recompute from its
-        tokens (the same mechanism as preemption). Gives up after `max_worker_restarts`
-        failures in a row: then every pending request ends with finish_reason "abort"."""
-        logger.warning("worker group failed, rebuilding it: %s", error)
-        self.executor.shutdown()
-        self.scheduler.requeue_after_worker_loss()
-        self._consecutive_failures += 1
-        if self._consecutive_failures > self.config.max_worker_restarts:
-            return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
-        try:
-            executor = Executor.create(self.config, self.model_config, self.placement)
-        except Exception as rebuild_error:
-            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
-        self.executor = executor
-        try:
-            if executor.determine_num_kv_blocks() < self.num_kv_blocks:
-                raise RuntimeError(f"the new workers hold fewer than {self.num_kv_blocks} KV blocks")
-            executor.initialize_kv_cache(self.num_kv_blocks)
-        except Exception as rebuild_error:
-            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
-        self.num_worker_restarts += 1
-        return []
-
-    def _die(self, reason: str) -> list[RequestOutput]:
-        logger.error("engine is dead: %s", reason)
-        self.dead_reason = reason
-        if self.executor is not None:
-            self.executor.shutdown()
-        child_ids = self.scheduler.unfinished_request_ids()
-        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.finish_aborted(child_ids)
-
-    def shutdown(self) -> None:
-        executor, self.executor = getattr(self, "executor", None), None
-        if executor is not None:
-            executor.shutdown()
-        if getattr(self, "structured_outputs", None) is not None:
-            self.structured_outputs.shutdown()
-
-
-def _fit_max_model_len(model_config: ModelConfig, requested: int | None, kv_capacity: int) -> ModelConfig:
-    """A request must fit in the KV cache whole. A model's own limit (SmolLM2 says 8192) may be
-    more than a CPU cache holds: capped, as vLLM does; a limit the user asked for is an error."""
-    if model_config.max_model_len <= kv_capacity:
-        return model_config
-    if requested is not None:
-        raise ValueError(
-            f"max_model_len={requested} is more than the KV cache holds ({kv_capacity} tokens); lower "
-            "max_model_len or give the cache more memory (kv_cache_memory_bytes, gpu_memory_utilization)"
-        )
-    logger.warning(
-        "max_model_len capped from %d (the model's limit) to %d, what the KV cache holds",
-        model_config.max_model_len, kv_capacity,
-    )
-    return dataclasses.replace(model_config, max_model_len=kv_capacity)
-
-
-def _with_tokenizer_eos(model_config: ModelConfig, tokenizer: Any) -> ModelConfig:
-    """The tokenizer's EOS ends requests too, even when config.json does not name it."""
-    eos = tokenizer.eos_token_id
-    if eos is None or eos in model_config.eos_token_ids:
-        return model_config
-    return dataclasses.replace(model_config, eos_token_ids=(*model_config.eos_token_ids, eos))
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """The core finishes its running step (waited for at most `timeout`), releases its
+        workers and stops. Idempotent."""
+        if hasattr(self, "engine_core"):
+            self.engine_core.shutdown(timeout)

@@ -1,7 +1,7 @@
 """Turns the scheduler's per-step token news into `RequestOutput`s: detokenizes, applies stop
 strings, assembles logprobs, and merges the n completions of a request.
 
-A request with n > 1 runs as n independent scheduler requests ("children", ids `i_<id>`); the
+A request with n > 1 runs as n independent scheduler requests ("children", see fan_out.py); the
 parent collects them. Streaming kinds emit each child's progress as it comes; FINAL_ONLY emits one
 output holding all n completions when the last one finishes.
 """
@@ -14,9 +14,10 @@ from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.fan_out import child_ids, fan_out
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.metrics import EngineStats
-from pagedserve.engine.model_runner_output import TokenLogprobs
+from pagedserve.step_types.model_runner_output import TokenLogprobs
 from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.request_ids import child_request_id
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -109,23 +110,18 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = ParentRequest(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time))
         states: dict[str, RequestState] = {}
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else child_request_id(request_id, index)
-            child_params = params if params.n == 1 else params.for_child(index)
-            detok = IncrementalDetokenizer(self.tokenizer, self.vocab_size, prompt_token_ids, child_params)
-            states[child_id] = RequestState(parent, index, child_params, detok)
+        for child in fan_out(request_id, params):
+            detok = IncrementalDetokenizer(self.tokenizer, self.vocab_size, prompt_token_ids, child.params)
+            states[child.request_id] = RequestState(parent, child.index, child.params, detok)
             if resume is not None:
-                states[child_id].replay(resume)  # may refuse it: nothing is registered yet
+                states[child.request_id].replay(resume)  # may refuse it: nothing is registered yet
         self.parents[request_id] = parent
         self.states.update(states)
         return [(child_id, state.params) for child_id, state in states.items()]
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
-        if parent is None:
-            return []
-        n = parent.params.n
-        return [request_id] if n == 1 else [child_request_id(request_id, i) for i in range(n)]
+        return [] if parent is None else child_ids(request_id, parent.params.n)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget user requests; returns the scheduler ids to abort."""

@@ -9,30 +9,9 @@ always leave unset.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the sampler imports this module
-    from pagedserve.engine.scheduler_output import SchedulerOutput
-    from pagedserve.workers.sampler import SamplingBatch
-    from pagedserve.workers.step_inputs import CachedRequestState
-
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def with_grammar(batch: SamplingBatch, step: SchedulerOutput, states: list[CachedRequestState], device: torch.device) -> SamplingBatch:
-    """The step's sampling batch plus its grammar rows (a copy: the builder reuses its batch)."""
-    row_of = {state.req_id: row for row, state in enumerate(states)}
-    rows = [row_of[req_id] for req_id in step.grammar_req_ids]
-    bitmask = torch.from_numpy(np.ascontiguousarray(step.grammar_bitmask, dtype=np.int32))
-    return dataclasses.replace(
-        batch,
-        grammar_rows=torch.tensor(rows, dtype=torch.long, device=device),
-        grammar_allowed=unpack_bitmask(bitmask).to(device),
-    )
 
 
 def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:

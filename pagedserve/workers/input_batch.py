@@ -3,8 +3,8 @@
 A step's diffs touch only what changed (one appended token and a computed count per decode, a
 block id now and then), and the step's flat inputs are gathered from the rows with a handful of
 numpy operations: no per-step Python lists of every request's tokens or blocks, no `torch.tensor`
-of a list. `build_step_inputs` (step_inputs.py) builds the same inputs from scratch; it is the
-reference this batch is tested against.
+of a list. `build_step_inputs` (tests/workers/step_inputs_reference.py) builds the same inputs
+from scratch; it is the reference this batch is tested against.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, to_device
 

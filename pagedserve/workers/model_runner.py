@@ -10,17 +10,16 @@ from __future__ import annotations
 import torch
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogprobs
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
-from pagedserve.workers.grammar_mask import with_grammar
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.parallel_state import ParallelContext
 from pagedserve.workers.sampler import Sampler, SamplerOutput
-from pagedserve.workers.sampling_batch import SamplingBatchBuilder
+from pagedserve.workers.sampling_batch import SamplingBatchBuilder, with_grammar
 
 
 class ModelRunner:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
-from pagedserve.workers.step_inputs import CachedRequestState
+from pagedserve.step_types.scheduler_output import SchedulerOutput
+from pagedserve.workers.grammar_mask import unpack_bitmask
 from pagedserve.workers.sampler import Penalties, SamplingBatch, step_seed
+from pagedserve.workers.step_inputs import CachedRequestState
 
 
 class SamplingBatchBuilder:
@@ -118,4 +121,16 @@ def _penalties(states: list[CachedRequestState], vocab_size: int, device: torch.
         repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
         prompt_mask=prompt_mask[:, :vocab_size],
         output_counts=output_counts[:, :vocab_size],
+    )
+
+
+def with_grammar(batch: SamplingBatch, step: SchedulerOutput, states: list[CachedRequestState], device: torch.device) -> SamplingBatch:
+    """The step's sampling batch plus its grammar rows (a copy: the builder reuses its batch)."""
+    row_of = {state.req_id: row for row, state in enumerate(states)}
+    rows = [row_of[req_id] for req_id in step.grammar_req_ids]
+    bitmask = torch.from_numpy(np.ascontiguousarray(step.grammar_bitmask, dtype=np.int32))
+    return dataclasses.replace(
+        batch,
+        grammar_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        grammar_allowed=unpack_bitmask(bitmask).to(device),
     )

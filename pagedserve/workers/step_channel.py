@@ -45,7 +45,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import traceback
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.workers import step_channel
 from pagedserve.workers.model_runner import ModelRunner
 from pagedserve.workers.parallel_state import ParallelContext, init_parallel_context

@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID
 from pagedserve.cluster.prefix_router import PrefixAwareRouter, ReplicaPrefixTable
 from pagedserve.cluster.routing_stats import RoutingStats, RoutingStatsReporter
 from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
-from pagedserve.engine.block_pool import BlockPool, extend_block_hashes, hash_block_tokens, routing_key
+from pagedserve.engine.core.block_pool import BlockPool, extend_block_hashes, hash_block_tokens, routing_key
 from pagedserve.engine.metrics import EngineStats
 
 BLOCK = 4
@@ -238,8 +238,8 @@ def test_a_replica_without_its_block_pool_reports_load_only():
 def test_the_router_salts_the_chain_as_the_engine_does(make_router):
     """A salted prompt's routing keys are the engine's salted block hashes: they differ per salt,
     so one tenant's prompt is not steered towards (and timed against) another's cached blocks."""
-    from pagedserve.engine.kv_cache_manager import KVCacheManager
-    from pagedserve.engine.request import Request
+    from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+    from pagedserve.engine.core.request import Request
     from pagedserve.sampling_params import SamplingParams
 
     tokens = list(range(100, 120))

@@ -54,8 +54,8 @@ def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
         engine_vs_hf(llm, hf_references[arch], prompts)
         if config_name == "forced_preemption":
             # The configuration must really exercise preemption, or this test proves nothing.
-            assert llm.llm_engine.scheduler.num_preemptions_total > 0
-        assert llm.llm_engine.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.kv_cache_manager.num_total_blocks
+            assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions_total > 0
+        assert llm.llm_engine.engine_core.engine_core.kv_cache_manager.pool.num_free_blocks == llm.llm_engine.engine_core.engine_core.kv_cache_manager.num_total_blocks
     finally:
         llm.shutdown()
 
@@ -64,7 +64,7 @@ def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
 def test_shared_prefix_hits_cache_on_second_run(arch, model_dirs, hf_references):
     llm = LLM(str(model_dirs[arch]), max_model_len=256, dtype="float32")
     try:
-        kv = llm.llm_engine.kv_cache_manager
+        kv = llm.llm_engine.engine_core.engine_core.kv_cache_manager
         engine_vs_hf(llm, hf_references[arch], PREFIX_PROMPTS)
         hits_after_first = kv.num_prefix_hits
         outputs = engine_vs_hf(llm, hf_references[arch], PREFIX_PROMPTS)

@@ -1,6 +1,6 @@
 """AsyncLLM: the background engine loop, streaming to asyncio callers. The shared fixtures run
 each test in both modes: the engine in this process, and its core in a child process
-(engine_core_process; tests/engine/test_core_proc.py has that mode's own failures)."""
+(engine_core_process; tests/engine/core/test_core_proc.py has that mode's own failures)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def test_slow_consumer_gets_merged_deltas(async_llm):
 def test_shutdown_ends_open_streams_and_waits_for_the_step(model_dirs):
     llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
     events: list[str] = []
-    step, engine_shutdown = llm.engine.step, llm.engine.shutdown
+    core = llm.engine.engine_core.engine_core  # the in-process EngineCore
+    step, core_shutdown = core.step, core.shutdown
 
     def slow_step():
         events.append("step")
@@ -163,8 +164,8 @@ def test_shutdown_ends_open_streams_and_waits_for_the_step(model_dirs):
         events.append("step done")
         return outputs
 
-    llm.engine.step = slow_step
-    llm.engine.shutdown = lambda: (events.append("executor shutdown"), engine_shutdown())
+    core.step = slow_step
+    core.shutdown = lambda: (events.append("executor shutdown"), core_shutdown())
     long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def run():
@@ -204,8 +205,8 @@ def wedged_step(llm: AsyncLLM):
     """An engine step that makes no progress until the block ends: in-process, the loop
     thread's step waits on an event; with a core process, the core is stopped (SIGSTOP) in the
     middle of a step. A request must be running when it is entered."""
-    if llm.is_core_process:
-        pid, clock = llm.engine.core.pid, llm.engine.core.clock
+    if llm.config.engine_core_process:
+        pid, clock = llm.engine.engine_core.pid, llm.engine.engine_core.clock
         try:
             for _ in range(1000):  # catch the core inside a step, not between two
                 os.kill(pid, signal.SIGSTOP)
@@ -219,19 +220,20 @@ def wedged_step(llm: AsyncLLM):
             os.kill(pid, signal.SIGCONT)
         return
     release, entered = threading.Event(), threading.Event()
-    step = llm.engine.step
+    core = llm.engine.engine_core.engine_core  # the in-process EngineCore
+    step = core.step
 
     def wedged():
         entered.set()
         release.wait(60)
         return step()
 
-    llm.engine.step = wedged
+    core.step = wedged
     try:
         assert entered.wait(30)
         yield
     finally:
-        llm.engine.step = step
+        core.step = step
         release.set()
 
 

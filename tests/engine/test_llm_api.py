@@ -25,7 +25,7 @@ def assert_idle(llm: LLM) -> None:
     """Nothing of a rejected call stays queued, and no block stays allocated."""
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
-    assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.num_total_blocks
+    assert engine.engine_core.engine_core.kv_cache_manager.pool.num_free_blocks == engine.engine_core.engine_core.kv_cache_manager.num_total_blocks
     assert not engine.output_processor.states and not engine.output_processor.parents
 
 
@@ -244,7 +244,7 @@ def test_shutdown_is_idempotent(model_dirs):
     llm = LLM(str(model_dirs["llama"]), max_model_len=64)
     llm.shutdown()
     llm.shutdown()
-    assert llm.llm_engine.executor is None
+    assert llm.llm_engine.engine_core.engine_core.executor is None
 
 
 def test_cache_salt_in_a_prompt_dict_separates_prefix_hits(model_dirs):

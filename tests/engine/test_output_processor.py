@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
-from pagedserve.engine.output_processor import OutputProcessor, child_request_id
+from pagedserve.engine.fan_out import child_request_id
+from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = "Tell me a story:"

@@ -79,7 +79,7 @@ def test_penalties_see_the_earlier_tokens_as_outputs(engine):
 
 
 def test_min_tokens_counts_earlier_tokens(engine):
-    eos = next(iter(engine.eos_token_ids))
+    eos = next(iter(engine.model_config.eos_token_ids))
     check_resumes_identically(engine, delta(temperature=1.0, seed=3, min_tokens=10, stop_token_ids=[eos]), cuts=[5])
 
 

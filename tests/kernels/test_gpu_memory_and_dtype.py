@@ -14,7 +14,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.config import EngineConfig
 from pagedserve.model_resolver import _resolve_dtype, resolve_model_config
-from pagedserve.workers.uniproc_executor import UniProcExecutor
+from pagedserve.executor.uniproc_executor import UniProcExecutor
 from pagedserve.workers.worker import Worker
 
 GiB = 2**30
@@ -123,7 +123,7 @@ def _engine_memory(model_dir, utilization: float) -> tuple[int, int]:
     free_before = torch.cuda.mem_get_info()[0]
     llm = LLM(str(model_dir), gpu_memory_utilization=utilization, enforce_eager=True, max_model_len=256)
     try:
-        runner = llm.llm_engine.executor.worker.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.runner
         kv_bytes = llm.llm_engine.num_kv_blocks * runner.kv_cache_bytes_per_block()
         return kv_bytes, free_before - torch.cuda.mem_get_info()[0]
     finally:

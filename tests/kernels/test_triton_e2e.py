@@ -28,7 +28,7 @@ PROMPTS = [
 def test_triton_backend_greedy_matches_hf(arch, engine_args, model_dirs, hf_references):
     llm = LLM(str(model_dirs[arch]), max_model_len=128, attention_backend="triton", dtype="float32", device=DEVICE, **engine_args)
     try:
-        assert llm.llm_engine.executor.worker.runner.backend.name == "triton"
+        assert llm.llm_engine.engine_core.engine_core.executor.worker.runner.backend.name == "triton"
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         for output in llm.generate(PROMPTS, params, use_tqdm=False):
             expected = hf_references[arch].greedy(output.prompt_token_ids, MAX_TOKENS)

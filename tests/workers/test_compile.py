@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 8, 9], list(range(30, 70)), [300, 2, 301
 
 def _compiled_forward(llm: LLM):
     """The compiled forward of an in-process engine's only rank."""
-    runner = llm.llm_engine.executor.worker.runner
+    runner = llm.llm_engine.engine_core.engine_core.executor.worker.runner
     return runner.model.compiled_model
 
 

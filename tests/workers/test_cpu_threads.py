@@ -33,7 +33,7 @@ def test_light_steps_run_on_fewer_threads_and_stay_exact(model_dirs, hf_referenc
     before = torch.get_num_threads()
     try:
         llm = LLM(str(model_dirs["llama"]), max_model_len=128, dtype="float32", num_cpu_threads=2, light_step_cpu_threads=1)
-        threads = llm.llm_engine.executor.worker.runner.step_threads
+        threads = llm.llm_engine.engine_core.engine_core.executor.worker.runner.step_threads
         seen = []
         original = threads.set_for
         threads.set_for = lambda num_tokens: (original(num_tokens), seen.append((num_tokens, torch.get_num_threads())))

@@ -88,7 +88,7 @@ def test_gpu_graph_replay_is_greedy_exact(arch, model_dirs, hf_references):
     greedy tokens still equal Hugging Face's."""
     llm = LLM(str(model_dirs[arch]), max_model_len=128, dtype="float32", attention_backend="triton", max_num_seqs=8)
     try:
-        runner = llm.llm_engine.executor.worker.runner
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.runner
         assert runner.cuda_graphs is not None and sorted(runner.cuda_graphs.graphs) == [1, 2, 4, 8]
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         assert runner.cuda_graphs.num_replays > 0
@@ -102,6 +102,6 @@ def test_gpu_graph_replay_is_greedy_exact(arch, model_dirs, hf_references):
 def test_gpu_enforce_eager_captures_nothing(model_dirs):
     llm = LLM(str(model_dirs["llama"]), max_model_len=128, attention_backend="triton", enforce_eager=True)
     try:
-        assert llm.llm_engine.executor.worker.runner.cuda_graphs is None
+        assert llm.llm_engine.engine_core.engine_core.executor.worker.runner.cuda_graphs is None
     finally:
         llm.shutdown()

@@ -12,10 +12,11 @@ import random
 import pytest
 import torch
 
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.input_batch import InputBatch
-from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, build_step_inputs
+from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
+from tests.workers.step_inputs_reference import build_step_inputs
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

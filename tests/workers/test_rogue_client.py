@@ -114,9 +114,9 @@ def test_rogue_client_gets_nothing(ray_cluster, model_dirs, hf_references, rogue
         llm = LLM(str(model_dirs["qwen3"]), max_model_len=256, tensor_parallel_size=2)
         try:
             first = llm.generate(PROMPTS, greedy, use_tqdm=False)
-            os.kill(llm.llm_engine.executor.worker_pids()[1], signal.SIGKILL)
+            os.kill(llm.llm_engine.engine_core.engine_core.executor.worker_pids()[1], signal.SIGKILL)
             after_recovery = llm.generate(PROMPTS, greedy, use_tqdm=False)
-            assert llm.llm_engine.num_worker_restarts == 1
+            assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 1
         finally:
             llm.shutdown()
     assert len(channel_ports) == 2  # start-up and recovery each opened one, and each was attacked

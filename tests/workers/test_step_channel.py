@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.workers import step_channel
 from pagedserve.workers.step_channel import ChannelClosed, ChannelError, StepReply
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.workers.step_inputs import CachedRequestState, build_step_inputs
+from pagedserve.workers.step_inputs import CachedRequestState
+from tests.workers.step_inputs_reference import build_step_inputs
 
 BLOCK_SIZE = 4
 

@@ -1,3 +1,5 @@
-"""The engine core in its own process (vLLM v1's EngineCoreProc): the scheduler and the executor
-run in a busy loop in a child process while the front end (AsyncLLM, LLM) tokenizes, detokenizes,
-applies stop strings and streams. See messages.py for what crosses between the two."""
+"""The engine core: the scheduler, the KV cache manager (block pool, requests), the executor and
+worker recovery (engine_core.py), and nothing of text. The front end (engine/llm_engine.py)
+reaches it through one client interface (client.py) with two implementations: in-process
+(inproc_client.py) or in its own process (mp_client.py, running proc.py's busy loop, vLLM v1's
+EngineCoreProc). messages.py holds what crosses between the two."""

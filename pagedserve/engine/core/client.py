@@ -1,128 +1,74 @@
-"""EngineCoreClient: starts the engine core process and talks to it.
+"""The one interface the front end (LLMEngine) has to its engine core, with two implementations:
+InprocClient (the core in this process, stepped by the caller's thread) and MPClient (the core in
+its own process, vLLM v1's EngineCoreProc); `make_client` (beside them, so this base imports
+neither) picks one. Both carry the same messages (messages.py) and answer
+with the same CoreOutputs, so nothing above this module branches on where the core runs.
 
-Sends go through a queue and a sender thread, so a caller (an asyncio event loop) never waits
-for the core to read, however long its step; order is kept. Receives block the caller's thread
-(the front end's output thread) until the core's next step ends.
+- `send` may be called from any thread and never waits for a step;
+- `get_output` blocks until the core's next step (or an idle report) and is called by one thread;
+- `num_waiting_requests` is the one count of engine requests waiting for a slot, for admission.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import socket
-import subprocess
-import sys
 import threading
-import time
-from multiprocessing.connection import Connection
-from typing import Any
+from abc import ABC, abstractmethod
 
-from pagedserve.config import EngineConfig, WorkerPlacement
-from pagedserve.engine.core import messages
-from pagedserve.engine.core.messages import CoreFailed, CoreOutputs, CoreReady, ShutdownCore, StartCore
-from pagedserve.engine.core.step_clock import StepClock
-
-logger = logging.getLogger(__name__)
-
-STARTUP_POLL_S = 0.5
-STARTUP_TIMEOUT_S = 3600.0  # loading a large checkpoint takes minutes; a dead child is seen at once
+from pagedserve.config import ModelConfig
+from pagedserve.engine.core.messages import AddRequest, CoreOutputs, SchedulerGauges
 
 
-class EngineCoreClient:
-    def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """Starts the core and waits until its engine is built; its errors are raised here."""
-        parent_end, child_end = socket.socketpair()
-        self.clock = StepClock()
-        command = [
-            sys.executable, "-m", "pagedserve.engine.core.proc",
-            "--conn-fd", str(child_end.fileno()), "--clock-fd", str(self.clock.fd),
-        ]
-        # Its own session: a Ctrl-C at the terminal reaches the server, which shuts the core down
-        # in order (graceful shutdown lets in-flight requests finish first).
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end.fileno(), self.clock.fd), start_new_session=True)
-        child_end.close()
-        self.conn = Connection(parent_end.detach())
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name="pagedserve-core-sender", daemon=True)
-        self._sender.start()
-        try:
-            self.send(StartCore(config, placement, *_ray_cluster(config)))
-            ready = self._wait_ready()
-        except BaseException:
-            self.shutdown(timeout=0)
-            raise
-        self.model_config = ready.model_config
-        self.num_kv_blocks = ready.num_kv_blocks
+class EngineCoreClient(ABC):
+    model_config: ModelConfig  # as the core resolved it (max_model_len capped to the KV cache)
+    num_kv_blocks: int
+
+    def __init__(self) -> None:
+        self._count_lock = threading.Lock()
+        self._num_sent_children = 0  # children of every AddRequest sent
+        self._last = CoreOutputs([])  # the core's latest report: its gauges and children taken in
+
+    def send(self, message: object) -> None:
+        """Hand a message (AddRequest, AbortRequests, StopRequests) to the core, in order."""
+        if isinstance(message, AddRequest):
+            with self._count_lock:
+                self._num_sent_children += message.params.n
+        self._send(message)
+
+    def get_output(self) -> CoreOutputs:
+        """The core's next step; EOFError once the core has gone (shut down, or its process died)."""
+        outputs = self._get_output()
+        self._last = outputs
+        return outputs
 
     @property
-    def pid(self) -> int:
-        return self.process.pid
+    def gauges(self) -> SchedulerGauges:
+        """The scheduler's gauges as of the core's latest report."""
+        return self._last.gauges
 
-    def send(self, message: Any) -> None:
-        """Queue a message for the core (a core that has gone is reported by `recv`)."""
-        self._outbox.put(message)
+    @property
+    def num_waiting_requests(self) -> int:
+        """Engine requests waiting for a slot: the core's waiting queue at its latest report, and
+        the children sent since that it had not taken in then."""
+        with self._count_lock:
+            num_on_their_way = self._num_sent_children - self._last.num_added_children
+        return self._last.gauges.num_requests_waiting + num_on_their_way
 
-    def recv(self) -> CoreOutputs:
-        """The core's next step; EOFError once the core process has gone."""
-        try:
-            return messages.recv(self.conn)
-        except OSError as error:  # the connection broke or was closed under us
-            raise EOFError(str(error)) from None
+    @property
+    @abstractmethod
+    def step_started(self) -> float | None:
+        """time.monotonic() when the core's running step began; None between steps."""
 
+    @abstractmethod
+    def _send(self, message: object) -> None: ...
+
+    @abstractmethod
+    def _get_output(self) -> CoreOutputs: ...
+
+    @abstractmethod
     def exit_reason(self) -> str:
-        try:
-            code = self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return "the engine core process stopped answering"
-        return f"the engine core process exited (code {code})"
+        """Why get_output raised EOFError."""
 
+    @abstractmethod
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask the core to release its workers and exit; kill it after `timeout`. Idempotent."""
-        if self.conn.closed:
-            return
-        if self.process.poll() is None:
-            self._outbox.put(ShutdownCore())
-            self._outbox.put(None)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("the engine core did not exit within %.0f s: killing it", timeout)
-                self.process.kill()
-                self.process.wait()
-        self._outbox.put(None)
-        self.conn.close()
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        self.clock.close()
-
-    def _send_loop(self) -> None:
-        while (message := self._outbox.get()) is not None:
-            try:
-                messages.send(self.conn, message)
-            except OSError:  # the core is gone: recv reports it
-                return
-
-    def _wait_ready(self) -> CoreReady:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not self.conn.poll(STARTUP_POLL_S):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the engine core process exited (code {self.process.returncode}) while starting; see its log above")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
-        message = messages.recv(self.conn)
-        if isinstance(message, CoreFailed):
-            raise message.error
-        return message
-
-
-def _ray_cluster(config: EngineConfig) -> tuple[str | None, str | None]:
-    """The Ray cluster this process is connected to, for a core whose executor uses Ray: it joins
-    the same cluster and namespace (so a Serve replica's placement group is visible to it)."""
-    if config.executor_backend != "ray":
-        return None, None
-    import ray
-
-    if not ray.is_initialized():
-        return None, None  # the core starts or joins Ray itself, as an in-process engine would
-    context = ray.get_runtime_context()
-    return context.gcs_address, context.namespace
+        """The core finishes its running step (waited for at most `timeout`), releases its
+        workers and stops. Idempotent."""

@@ -1,164 +1,229 @@
-"""The engine core: an LLMEngine whose step hands back the scheduler's per-request news
-(EngineCoreOutput) instead of user-facing outputs, and the busy loop that runs it in the core
-process: take every waiting message, step, send the step's news, repeat; block only when idle.
+"""EngineCore: the scheduler, the KV cache manager, the executor and worker recovery, and nothing
+else (no tokenizer, no text). The front end (LLMEngine) reaches it only through a core client
+(client.py), with the messages of messages.py: in-process (InprocClient calls `handle` and
+`step` directly) or in its own process (proc.py runs the same calls in a busy loop).
 
-Detokenization, stop strings and the n-completions merge happen in the front end. A stop string
-found there comes back as StopRequests, one step late: the core may have computed one more token
-of that request, which the front end drops (it no longer knows the id).
+A step is: schedule -> execute on the workers -> update the scheduler. The news of each request
+goes back as EngineCoreOutputs; detokenizing, stop strings and merging the n completions are the
+front end's. A stop string found there comes back as StopRequests: in its own process the core may
+have computed one more token of that request meanwhile, which the front end drops.
+
+Grammar state for structured outputs sits beside the scheduler here (StructuredOutputManager: the
+scheduler asks it for each request's allowed tokens and advances it with update_from_output).
+Where a later feature lives: LoRA adapter slots sit beside the executor (the core maps a request's adapter to a slot when it
+schedules it, and the step types carry the slot ids to the workers).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from multiprocessing.connection import Connection
-from typing import Any
 
-from pagedserve.engine.core import messages
-from pagedserve.engine.core.messages import (
-    AbortRequests,
-    AddRequest,
-    CoreOutputs,
-    SchedulerGauges,
-    ShutdownCore,
-    StopRequests,
-)
-from pagedserve.engine.core.step_clock import StepClock
+from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.messages import AbortRequests, AddRequest, CoreOutputs, RefuseRequest, SchedulerGauges, StopRequests
+from pagedserve.engine.core.model_setup import fit_max_model_len
+from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.step_split import merge_outputs, split_step
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import child_request_id
-from pagedserve.engine.request import RequestStatus
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.fan_out import child_ids, fan_out
+from pagedserve.engine.structured_outputs import StructuredOutputManager
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.executor.executor import StepTooLargeError, WorkerGroupError
+from pagedserve.executor.factory import create_executor
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class CoreOutputCollector:
-    """Stands in for the OutputProcessor inside the core: it keeps which children belong to
-    which user request (for aborts), and passes the scheduler's news through untouched."""
-
-    def __init__(self) -> None:
-        self.children: dict[str, list[str]] = {}  # user request id -> its children's ids
-        self.parent_of: dict[str, str] = {}  # child id -> user request id
-
-    def add_request(
-        self, request_id: str, prompt: Any, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float, resume: Any = None
-    ) -> list[tuple[str, SamplingParams]]:
-        """The same children (ids and params) as OutputProcessor.add_request makes (a resume's
-        text state lives in the front end's output processor)."""
-        if request_id in self.children:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:
-            children = [(child_request_id(request_id, i), params.for_child(i)) for i in range(params.n)]
-        self.children[request_id] = [child_id for child_id, _ in children]
-        self.parent_of.update((child_id, request_id) for child_id, _ in children)
-        return children
-
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        child_ids = []
-        for request_id in request_ids:
-            for child_id in self.children.pop(request_id, []):
-                if self.parent_of.pop(child_id, None) is not None:
-                    child_ids.append(child_id)
-        return child_ids
-
-    def forget(self, child_ids: list[str]) -> None:
-        for child_id in child_ids:
-            request_id = self.parent_of.pop(child_id, None)
-            siblings = self.children.get(request_id)
-            if siblings is not None and not any(c in self.parent_of for c in siblings):
-                del self.children[request_id]
-
-    def finish_aborted(self, child_ids: list[str]) -> list[EngineCoreOutput]:
-        """The engine gave these up: the front end ends them with finish_reason "abort"."""
-        self.forget(child_ids)
-        return [EngineCoreOutput(child_id, [], finish_reason=FinishReason.ABORT) for child_id in child_ids]
-
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[str]]:
-        """The step's news as it is; no stop strings here (the front end sends StopRequests)."""
-        self.forget([o.req_id for o in outputs if o.finish_reason is not None])
-        return outputs, []
-
-
 class EngineCore:
-    """The core's engine and its message handling (one thread: no locks)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.collector = CoreOutputCollector()
-        engine.output_processor = self.collector
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, placement: WorkerPlacement | None = None):
+        """`model_config`: resolved (model_setup.resolve_core_model_config); its max_model_len is
+        capped here to what the KV cache holds. `placement`: a Serve replica's bundles for the
+        workers (see create_executor)."""
+        self.config = config
+        self.placement = placement
+        self.executor = create_executor(config, model_config, placement)
+        try:
+            self.num_kv_blocks = self._initialize_kv_cache()
+            self.model_config = fit_max_model_len(model_config, config.max_model_len, self.num_kv_blocks * config.block_size)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_worker_restarts = 0
+        self._consecutive_failures = 0
+        self.dead_reason: str | None = None
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # Grammar state sits beside the scheduler; the grammar compilers need the vocabulary
+        # (the one thing the core reads a tokenizer for).
+        self.structured_outputs = StructuredOutputManager(
+            load_tokenizer(self.model_config.tokenizer_path), self.model_config.vocab_size,
+            list(self.model_config.eos_token_ids), config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
+            max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            structured_outputs=self.structured_outputs,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # Children taken in so far (AddRequest x n, refused ones too): with the scheduler's waiting
+        # count, the front end's client knows how many wait, counting those still on their way.
         self.num_added_children = 0
         self.pending_failures: list[EngineCoreOutput] = []  # adds the core refused, to report
-        # A message changed the scheduler since the last step was sent: before going idle, the
-        # core sends its gauges once more (an abort of the last request must show as 0 running).
+        # A message changed the scheduler since the last step was reported: before going idle the
+        # core reports its gauges once more (an abort of the last request must show as 0 running).
         self.is_report_due = False
 
-    def handle(self, message: Any) -> None:
+    def _initialize_kv_cache(self) -> int:
+        num_blocks = self.executor.determine_num_kv_blocks()
+        if num_blocks < 1:
+            raise ValueError(
+                "the KV cache holds no block: give it more memory (kv_cache_memory_bytes, "
+                "gpu_memory_utilization) or set num_gpu_blocks_override"
+            )
+        # The scheduler's block pool and the workers' caches must agree on the count.
+        self.executor.initialize_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.block_size)
+        return num_blocks
+
+    # ---- messages from the front end -------------------------------------------------------
+
+    def handle(self, message: AddRequest | AbortRequests | StopRequests | RefuseRequest) -> None:
         self.is_report_due = True
         if isinstance(message, AddRequest):
             self._add(message)
         elif isinstance(message, AbortRequests):
-            self.engine.abort_request(message.request_ids)
+            self.scheduler.finish_requests(message.child_ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, StopRequests):
-            self.collector.forget(message.child_ids)
-            self.engine.scheduler.finish_requests(message.child_ids, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests(message.child_ids, RequestStatus.FINISHED_STOPPED)
+        elif isinstance(message, RefuseRequest):
+            logger.error("the front end could not send request %r: %s", message.request_id, message.reason)
+            self.num_added_children += message.num_children
+            self._fail_request(message.request_id, message.num_children)
         else:
             raise TypeError(f"the engine core got an unknown message: {type(message).__name__}")
 
     def _add(self, message: AddRequest) -> None:
-        self.num_added_children += message.params.n
+        params, processed = message.params, message.processed
+        self.num_added_children += params.n
+        resumed = processed.resume.output_token_ids if processed.resume is not None else ()
         try:
-            self.engine.add_processed_request(message.request_id, message.processed, message.params, message.arrival_time)
+            if self.dead_reason is not None:
+                raise RuntimeError(f"the engine core is dead: {self.dead_reason}")
+            requests = [
+                Request(
+                    child.request_id, processed.prompt_token_ids, child.params, self.eos_token_ids,
+                    self.model_config.max_model_len, message.arrival_time, resumed, processed.cache_salt,
+                )
+                for child in fan_out(message.request_id, params)
+            ]
         except Exception:  # the front end validated it; if the core still cannot take it, end it alone
             logger.exception("the engine core could not add request %r", message.request_id)
-            child_ids = self.collector.abort_requests([message.request_id]) or [message.request_id]
-            self.pending_failures.extend(EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in child_ids)
+            self._fail_request(message.request_id, params.n)
+            return
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def _fail_request(self, request_id: str, n: int) -> None:
+        """End a request the core never scheduled: its children finish with "abort" next step."""
+        self.pending_failures.extend(EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in child_ids(request_id, n))
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.pending_failures) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> CoreOutputs:
-        outputs = self.pending_failures + self.engine.step()
-        self.pending_failures = []
+        """One step's news: the refused adds, then what the scheduler's step produced."""
+        outputs, self.pending_failures = self.pending_failures, []
+        if self.scheduler.has_unfinished_requests():
+            outputs += self._run_scheduler_step()
         self.is_report_due = False
-        return CoreOutputs(outputs, self.gauges(), self.num_added_children, self.engine.dead_reason)
+        return CoreOutputs(outputs, self.gauges(), self.num_added_children, self.dead_reason)
+
+    def idle_report(self) -> CoreOutputs | None:
+        """The gauges once more when messages changed the scheduler and no step will report it."""
+        if self.has_work() or not self.is_report_due:
+            return None
+        self.is_report_due = False
+        return CoreOutputs([], self.gauges(), self.num_added_children, self.dead_reason)
+
+    def _run_scheduler_step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output, refused = ModelRunnerOutput.empty(), []
+        # An idle step still runs when requests ended, so the workers drop their state.
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids:
+            try:
+                runner_output, refused = self._execute(scheduler_output)
+                self._consecutive_failures = 0
+            except WorkerGroupError as error:
+                # The step never happened: nothing of it reached the scheduler's request state.
+                return self._recover_from_worker_failure(error)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if refused:  # they sampled nothing, so the update above did not touch them
+            logger.error("requests %s are too large for the step channel to the workers: ended", refused[:5])
+            self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ABORTED)
+            outputs += [EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in refused]
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
+        """The step's output, and the requests it could not send to the workers: a step too large
+        for the channel runs in parts; a request too large alone is refused (never a dead worker)."""
+        try:
+            return self.executor.execute_model(scheduler_output), []
+        except StepTooLargeError as error:
+            parts, refused = split_step(scheduler_output, error.max_bytes)
+            logger.warning("%s: running it in %d parts; refusing %d request(s) too large alone", error, len(parts), len(refused))
+            return merge_outputs([self.executor.execute_model(part) for part in parts]), refused
 
     def gauges(self) -> SchedulerGauges:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_cache_manager
+        scheduler, kv = self.scheduler, self.kv_cache_manager
         return SchedulerGauges(
             scheduler.num_running, scheduler.num_waiting, kv.usage, scheduler.num_preemptions_total,
             kv.num_prefix_queries, kv.num_prefix_hits,
         )
 
-    def run(self, conn: Connection, clock: StepClock) -> None:
-        """The busy loop. Returns on ShutdownCore, when the front end's end closes, or once the
-        engine died (after sending the step that says so)."""
-        while self._take_messages(conn):
-            if not self._has_work():
-                continue
-            clock.start(time.monotonic())
-            try:
-                step = self.step()
-            finally:
-                clock.stop()
-            messages.send(conn, step)
-            if step.dead_reason is not None:
-                return
+    # ---- recovery ---------------------------------------------------------------------------
 
-    def _take_messages(self, conn: Connection) -> bool:
-        """Handle every message waiting; with no work, block until one comes. False: leave."""
+    def _recover_from_worker_failure(self, error: WorkerGroupError) -> list[EngineCoreOutput]:
+        """Rebuild the worker group and requeue every in-flight request to recompute from its
+        tokens (the same mechanism as preemption). Gives up after `max_worker_restarts`
+        failures in a row: then every pending request ends with finish_reason "abort"."""
+        logger.warning("worker group failed, rebuilding it: %s", error)
+        self.executor.shutdown()
+        self.scheduler.requeue_after_worker_loss()
+        self._consecutive_failures += 1
+        if self._consecutive_failures > self.config.max_worker_restarts:
+            return self._die(f"the worker group failed {self._consecutive_failures} times in a row; last error: {error}")
         try:
-            while True:
-                if not self._has_work() and self.is_report_due:
-                    self.is_report_due = False
-                    messages.send(conn, CoreOutputs([], self.gauges(), self.num_added_children))
-                if not conn.poll(0 if self._has_work() else None):
-                    return True
-                message = messages.recv(conn)
-                if isinstance(message, ShutdownCore):
-                    return False
-                self.handle(message)
-        except (EOFError, OSError):  # the front end is gone
-            return False
+            self.executor = create_executor(self.config, self.model_config, self.placement)
+        except Exception as rebuild_error:
+            self.executor = None
+            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
+        try:
+            if self.executor.determine_num_kv_blocks() < self.num_kv_blocks:
+                raise RuntimeError(f"the new workers hold fewer than {self.num_kv_blocks} KV blocks")
+            self.executor.initialize_kv_cache(self.num_kv_blocks)
+        except Exception as rebuild_error:
+            return self._die(f"the worker group died ({error}) and could not be rebuilt: {rebuild_error}")
+        self.num_worker_restarts += 1
+        return []
 
-    def _has_work(self) -> bool:
-        return bool(self.pending_failures) or self.engine.has_unfinished_requests()
+    def _die(self, reason: str) -> list[EngineCoreOutput]:
+        logger.error("engine is dead: %s", reason)
+        self.dead_reason = reason
+        self.shutdown()
+        ended = self.scheduler.unfinished_request_ids()
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in ended]
+
+    def shutdown(self) -> None:
+        """Release the workers; safe to call more than once."""
+        executor, self.executor = getattr(self, "executor", None), None
+        if executor is not None:
+            executor.shutdown()
+        if getattr(self, "structured_outputs", None) is not None:
+            self.structured_outputs.shutdown()

@@ -1,5 +1,5 @@
-"""The typed messages between the front end and its engine core process, and the one channel
-that carries them.
+"""The typed messages between the front end and its engine core, and the one channel that carries
+them when the core runs in its own process (an in-process core takes the same messages directly).
 
 Both processes belong to one replica: the child is started by the parent, with one end of a
 socket pair that nobody else holds, so pickling is as trusted as a thread hand-off. Every
@@ -39,7 +39,7 @@ class StartCore:
 
 @dataclass
 class AddRequest:
-    request_id: str  # the user's id; the core derives the n children's ids as the front end does
+    request_id: str  # the user's id; the core derives the n children (fan_out.py) as the front end does
     processed: ProcessedPrompt
     params: SamplingParams
     arrival_time: float  # time.monotonic() in the front end (one clock for the whole machine)
@@ -47,12 +47,22 @@ class AddRequest:
 
 @dataclass
 class AbortRequests:
-    request_ids: list[str]  # user ids: every child of each ends with FINISHED_ABORTED
+    child_ids: list[str]  # scheduler ids (the front end knows each user request's children)
 
 
 @dataclass
 class StopRequests:
     child_ids: list[str]  # scheduler ids a stop string ended in the front end's detokenizer
+
+
+@dataclass
+class RefuseRequest:
+    """An AddRequest the front end could not send (too large, unpicklable): the core ends the
+    request's children with finish_reason "abort", as if it had refused the add itself."""
+
+    request_id: str
+    num_children: int  # the request's n: the core counts them as taken in
+    reason: str
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""The engine core process's entry point: `python -m pagedserve.engine.core.proc --conn-fd N
---clock-fd M`, started by EngineCoreClient with one end of a socket pair and the step clock.
+"""The engine core process (vLLM v1's EngineCoreProc): `python -m pagedserve.engine.core.proc
+--conn-fd N --clock-fd M`, started by MPClient with one end of a socket pair and the step clock.
+An EngineCore runs in a busy loop: take every waiting message, step, send the step's news,
+repeat; block only when idle.
 
 It dies with its parent: stdin is a pipe from the parent that nobody else holds, so its end of
 file (the parent exited, however it died) ends this process, even in the middle of a step.
@@ -15,7 +17,13 @@ import pickle
 import select
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported in main(), after the parent watcher starts
+    from pagedserve.engine.core.engine_core import EngineCore
+    from pagedserve.engine.core.step_clock import StepClock
 
 PARENT_CHECK_INTERVAL_S = 1.0
 
@@ -54,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.engine.core import messages
     from pagedserve.engine.core.engine_core import EngineCore
     from pagedserve.engine.core.messages import CoreFailed, CoreReady, StartCore
+    from pagedserve.engine.core.model_setup import resolve_core_model_config
     from pagedserve.engine.core.step_clock import StepClock
-    from pagedserve.engine.llm_engine import LLMEngine
 
     conn = Connection(args.conn_fd)
     clock = StepClock(args.clock_fd)
@@ -65,17 +73,55 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.init(address=start.ray_address, namespace=start.ray_namespace, log_to_driver=False)
-        engine = LLMEngine(start.config, start.placement)
+        core = EngineCore(start.config, resolve_core_model_config(start.config), start.placement)
     except BaseException as error:
         logger.exception("the engine core could not start")
         messages.send(conn, CoreFailed(_picklable(error)))
         return 1
     try:
-        messages.send(conn, CoreReady(engine.model_config, engine.num_kv_blocks))
-        EngineCore(engine).run(conn, clock)
+        messages.send(conn, CoreReady(core.model_config, core.num_kv_blocks))
+        run_busy_loop(core, conn, clock)
     finally:
-        engine.shutdown()
+        core.shutdown()
     return 0
+
+
+def run_busy_loop(core: EngineCore, conn: Connection, clock: StepClock) -> None:
+    """Returns on ShutdownCore, when the front end's end closes, or once the core died (after
+    sending the step that says so)."""
+    from pagedserve.engine.core import messages
+
+    while _take_messages(core, conn):
+        if not core.has_work():
+            continue
+        clock.start(time.monotonic())
+        try:
+            step = core.step()
+        finally:
+            clock.stop()
+        messages.send(conn, step)
+        if step.dead_reason is not None:
+            return
+
+
+def _take_messages(core: EngineCore, conn: Connection) -> bool:
+    """Handle every message waiting; with no work, block until one comes. False: leave."""
+    from pagedserve.engine.core import messages
+    from pagedserve.engine.core.messages import ShutdownCore
+
+    try:
+        while True:
+            report = core.idle_report()
+            if report is not None:
+                messages.send(conn, report)
+            if not conn.poll(0 if core.has_work() else None):
+                return True
+            message = messages.recv(conn)
+            if isinstance(message, ShutdownCore):
+                return False
+            core.handle(message)
+    except (EOFError, OSError):  # the front end is gone
+        return False
 
 
 def _exit(code: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.request import RequestStatus
+from pagedserve.engine.core.request import RequestStatus
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tests.engine.structured_outputs.conftest import PERSON_SCHEMA
 
@@ -29,7 +29,7 @@ def engine(model_dirs):
 @pytest.fixture
 def slow_compiles(engine, monkeypatch):
     """Every compilation takes at least `delay_s` more (a costly schema, deterministically)."""
-    manager = engine.structured_outputs
+    manager = engine.engine_core.engine_core.structured_outputs
     compile_ = manager._compile
     settings = {"delay_s": 1.0}
 
@@ -67,7 +67,7 @@ def test_compiling_grammar_holds_up_nobody(engine, slow_compiles):
             if output.finished:
                 finals[output.request_id] = output
                 if output.request_id == "plain":
-                    status_when_plain_ended = engine.scheduler.requests["json"].status
+                    status_when_plain_ended = engine.engine_core.engine_core.scheduler.requests["json"].status
     # The unconstrained request ran to its end while the other's grammar was still compiling.
     assert status_when_plain_ended == RequestStatus.WAITING_FOR_GRAMMAR
     assert finals["plain"].outputs[0].finish_reason == "length"
@@ -75,7 +75,7 @@ def test_compiling_grammar_holds_up_nobody(engine, slow_compiles):
 
 
 def test_same_spec_compiles_once(engine, slow_compiles):
-    cache = engine.structured_outputs.cache
+    cache = engine.engine_core.engine_core.structured_outputs.cache
     misses, hits = cache.num_misses, cache.num_hits
     for i in range(3):
         engine.add_request(f"r{i}", PROMPT, json_params(n=2, seed=i, temperature=1.0))
@@ -87,15 +87,15 @@ def test_same_spec_compiles_once(engine, slow_compiles):
 
 
 def test_compile_timeout_fails_that_request_only(engine, slow_compiles, monkeypatch):
-    monkeypatch.setattr(engine.structured_outputs, "compile_timeout_s", 0.2)
+    monkeypatch.setattr(engine.engine_core.engine_core.structured_outputs, "compile_timeout_s", 0.2)
     engine.add_request("json", PROMPT, json_params())
     engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     finals = run(engine)
     assert finals["json"].outputs[0].finish_reason == "abort" and finals["json"].outputs[0].token_ids == []
     assert finals["plain"].outputs[0].finish_reason == "length"
-    assert engine.scheduler.num_constrained == 0
+    assert engine.engine_core.engine_core.scheduler.num_constrained == 0
     # The engine goes on: the same spec, given time, works.
-    monkeypatch.setattr(engine.structured_outputs, "compile_timeout_s", 30.0)
+    monkeypatch.setattr(engine.engine_core.engine_core.structured_outputs, "compile_timeout_s", 30.0)
     engine.add_request("again", PROMPT, json_params())
     jsonschema.validate(json.loads(run(engine)["again"].outputs[0].text), PERSON_SCHEMA)
 
@@ -113,7 +113,7 @@ def stream(engine: LLMEngine, request_id: str, params: SamplingParams, resume: R
 def test_resumed_request_replays_its_grammar(engine, backend, monkeypatch):
     """A request handed over mid-JSON (its earlier outputs given back) goes on where it was: the
     matcher replays those tokens, and the whole output is the undisturbed one."""
-    monkeypatch.setattr(engine.structured_outputs, "backend_setting", backend)
+    monkeypatch.setattr(engine.engine_core.engine_core.structured_outputs, "backend_setting", backend)
     params = json_params(output_kind=RequestOutputKind.DELTA)
     whole = stream(engine, f"whole-{backend}", params)
     full_ids = [t for o in whole for t in o.outputs[0].token_ids]
@@ -132,4 +132,4 @@ def test_resumed_tokens_that_break_the_grammar_end_that_request(engine, tokenize
     bad = tokenizer.encode("nope", add_special_tokens=False)  # a JSON object cannot start so
     rest = stream(engine, "bad-resume", params, ResumeState(bad, 0))
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
-    assert engine.scheduler.num_constrained == 0
+    assert engine.engine_core.engine_core.scheduler.num_constrained == 0

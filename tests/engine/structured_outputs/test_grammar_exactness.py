@@ -44,7 +44,7 @@ def run_and_check(llm: LLM, reference, hf, prompts: list[str]) -> list:
 @pytest.mark.parametrize("arch, config_name", [(PADDED, name) for name in CONFIGS] + [("llama", "default")])
 def test_constrained_greedy_matches_reference(arch, config_name, model_dirs, hf_references, grammar_references):
     llm = LLM(str(model_dirs[arch]), **{"max_model_len": 256, "dtype": "float32", **CONFIGS[config_name]})
-    scheduler = llm.llm_engine.scheduler
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     preempted: list = []
     preempt = scheduler._preempt
     scheduler._preempt = lambda request: (preempted.append(request), preempt(request))[1]
@@ -55,7 +55,7 @@ def test_constrained_greedy_matches_reference(arch, config_name, model_dirs, hf_
         if config_name == "chunked_prefill_budget_16":
             assert max(len(o.prompt_token_ids) for o in outputs) > 16
         assert any(o.outputs[0].finish_reason == "stop" for o in outputs)  # some grammar completed
-        kv = llm.llm_engine.kv_cache_manager
+        kv = llm.llm_engine.engine_core.engine_core.kv_cache_manager
         assert kv.pool.num_free_blocks == kv.num_total_blocks
         assert scheduler.num_constrained == 0
     finally:

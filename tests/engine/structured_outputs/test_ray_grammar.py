@@ -28,8 +28,8 @@ def test_tp2_matches_reference_and_survives_a_worker_loss(ray_cluster, artifacts
         for i, (prompt, kind) in enumerate((p, k) for p in PROMPTS for k in KINDS):
             so = StructuredOutputsParams(**{kind: SPECS[kind]}) if kind else None
             engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=so))
-            cases[str(i)] = (engine.scheduler.requests[str(i)].prompt_token_ids, kind)
-        victim, step, finals = engine.executor.worker_pids()[1], 0, {}
+            cases[str(i)] = (engine.engine_core.engine_core.scheduler.requests[str(i)].prompt_token_ids, kind)
+        victim, step, finals = engine.engine_core.engine_core.executor.worker_pids()[1], 0, {}
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
@@ -37,7 +37,7 @@ def test_tp2_matches_reference_and_survives_a_worker_loss(ray_cluster, artifacts
             step += 1
             if step == 8:  # mid-way through every JSON object
                 os.kill(victim, signal.SIGKILL)
-        assert engine.num_worker_restarts == 1
+        assert engine.engine_core.engine_core.num_worker_restarts == 1
         for request_id, (prompt_ids, kind) in cases.items():
             if kind is None:
                 assert finals[request_id] == hf.greedy(prompt_ids, MAX_TOKENS), request_id

@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.scheduler_harness import (
+from tests.engine.core.scheduler_harness import (
     EOS,
     FakeWorker,
     _check_blocks,

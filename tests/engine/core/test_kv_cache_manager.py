@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pagedserve.engine.block_pool import hash_block_tokens
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.request import Request
+from pagedserve.engine.core.block_pool import hash_block_tokens
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.request import Request
 from pagedserve.sampling_params import SamplingParams
 
 BS = 4  # block size: small, so a dozen tokens span several blocks

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
-from pagedserve.workers.executor import Executor, resolve_device
+from pagedserve.executor.executor import Executor
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.workers.worker import Worker
 
 
@@ -15,10 +15,6 @@ class UniProcExecutor(Executor):
         self.worker: Worker | None = Worker(engine_config, model_config)
         self.worker.init_device()
         self.worker.load_model()
-
-    @classmethod
-    def resolve_device(cls, engine_config: EngineConfig) -> str:
-        return resolve_device(engine_config.device)
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()

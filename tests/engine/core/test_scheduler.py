@@ -6,8 +6,8 @@ fake worker checks the K/V each request attends over, so each test covers those 
 from __future__ import annotations
 
 from pagedserve.engine.engine_core_output import FinishReason
-from pagedserve.engine.request import RequestStatus
-from tests.engine.scheduler_harness import (
+from pagedserve.engine.core.request import RequestStatus
+from tests.engine.core.scheduler_harness import (
     EOS,
     FILLER,
     FakeWorker,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, SchedulerOutput
 
 
 def split_step(step: SchedulerOutput, max_bytes: int) -> tuple[list[SchedulerOutput], list[str]]:

@@ -64,7 +64,7 @@ def test_parallel_greedy_matches_hf(ray_cluster, parallel_models, model, tp, pp)
     folder, hf = parallel_models[model]
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
-        assert llm.llm_engine.executor.world_size == tp * pp
+        assert llm.llm_engine.engine_core.engine_core.executor.world_size == tp * pp
         assert_matches_hf(llm, hf)
     finally:
         llm.shutdown()
@@ -96,16 +96,16 @@ def test_sigkill_of_a_worker_is_survived(ray_cluster, parallel_models):
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2)
     try:
         ids = long_batch(llm)
-        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
-        victim = llm.llm_engine.executor.worker_pids()[1]
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.engine_core.engine_core.scheduler.requests.values()}
+        victim = llm.llm_engine.engine_core.engine_core.executor.worker_pids()[1]
 
         def kill_mid_batch(step: int) -> None:
             if step == 10:
                 os.kill(victim, signal.SIGKILL)
 
         results = run_to_completion(llm, kill_mid_batch)
-        assert llm.llm_engine.num_worker_restarts == 1
-        assert victim not in llm.llm_engine.executor.worker_pids()
+        assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 1
+        assert victim not in llm.llm_engine.engine_core.engine_core.executor.worker_pids()
         for request_id in ids:
             assert results[request_id] == hf.greedy(prompts[request_id], 40), request_id
         assert_matches_hf(llm, hf)  # and it keeps serving
@@ -118,7 +118,7 @@ def test_sigkill_during_a_step(ray_cluster, parallel_models):
     folder, hf = parallel_models["llama_3_layers"]
     llm = LLM(str(folder), max_model_len=256, pipeline_parallel_size=2)
     try:
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.engine_core.executor
         victim = executor.worker_pids()[0]
         collect, calls = executor._collect_replies, []
 
@@ -130,8 +130,8 @@ def test_sigkill_during_a_step(ray_cluster, parallel_models):
 
         executor._collect_replies = collect_with_kill
         outputs = llm.generate(PROMPTS * 4, greedy(48), use_tqdm=False)
-        assert llm.llm_engine.num_worker_restarts == 1
-        assert llm.llm_engine.executor is not executor
+        assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 1
+        assert llm.llm_engine.engine_core.engine_core.executor is not executor
         for output in outputs:
             assert output.outputs[0].token_ids == hf.greedy(output.prompt_token_ids, 48)
     finally:
@@ -143,17 +143,17 @@ def test_worker_that_raises_is_replaced(ray_cluster, parallel_models):
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2)
     try:
         ids = long_batch(llm, num_prompts=4, max_tokens=24)
-        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.engine_core.engine_core.scheduler.requests.values()}
         import ray
 
-        worker = llm.llm_engine.executor.workers[0]
+        worker = llm.llm_engine.engine_core.engine_core.executor.workers[0]
 
         def break_worker(step: int) -> None:
             if step == 5:  # the next step raises inside the actor (its runner is gone)
                 ray.get(worker.__ray_call__.remote(lambda self: setattr(self, "runner", None)))
 
         results = run_to_completion(llm, break_worker)
-        assert llm.llm_engine.num_worker_restarts == 1
+        assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 1
         for request_id in ids:
             assert results[request_id] == hf.greedy(prompts[request_id], 24)
     finally:
@@ -171,10 +171,10 @@ def test_wedged_worker_is_replaced_after_step_timeout(ray_cluster, parallel_mode
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, step_timeout_s=10.0)
     try:
         ids = long_batch(llm, num_prompts=4, max_tokens=24)
-        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.scheduler.requests.values()}
+        prompts = {r.request_id: r.prompt_token_ids for r in llm.llm_engine.engine_core.engine_core.scheduler.requests.values()}
         import ray
 
-        executor = llm.llm_engine.executor
+        executor = llm.llm_engine.engine_core.engine_core.executor
         wedged_pid = executor.worker_pids()[1]
 
         def wedge(step: int) -> None:
@@ -182,8 +182,8 @@ def test_wedged_worker_is_replaced_after_step_timeout(ray_cluster, parallel_mode
                 ray.get(executor.workers[1].__ray_call__.remote(_wedge_next_step))
 
         results = run_to_completion(llm, wedge)
-        assert llm.llm_engine.num_worker_restarts == 1
-        assert wedged_pid not in llm.llm_engine.executor.worker_pids()
+        assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 1
+        assert wedged_pid not in llm.llm_engine.engine_core.engine_core.executor.worker_pids()
         for request_id in ids:
             assert results[request_id] == hf.greedy(prompts[request_id], 24), request_id
     finally:
@@ -224,7 +224,7 @@ def test_group_that_cannot_be_rebuilt_aborts_and_raises(ray_cluster, parallel_mo
     folder, _ = parallel_models["qwen3"]
     llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, max_worker_restarts=0)
     try:
-        victim = llm.llm_engine.executor.worker_pids()[0]
+        victim = llm.llm_engine.engine_core.engine_core.executor.worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
         time.sleep(0.2)
         with pytest.raises(EngineDeadError, match="4 request\\(s\\) aborted.*failed 1 times in a row"):
@@ -242,7 +242,7 @@ def test_abort_outputs_when_the_engine_dies(ray_cluster, parallel_models):
     try:
         ids = long_batch(llm, num_prompts=3)
         llm.llm_engine.step()
-        os.kill(llm.llm_engine.executor.worker_pids()[1], signal.SIGKILL)
+        os.kill(llm.llm_engine.engine_core.engine_core.executor.worker_pids()[1], signal.SIGKILL)
         finals = {}
         while llm.llm_engine.has_unfinished_requests():
             finals.update({o.request_id: o for o in llm.llm_engine.step() if o.finished})
@@ -257,7 +257,7 @@ def _step_size(num_prompt_tokens: int, req_id: str) -> int:
     """The pickled size of a step that schedules one new request of that many prompt tokens."""
     import pickle
 
-    from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
     new = NewRequestData(req_id, [300] * num_prompt_tokens, num_prompt_tokens, greedy().sampler_params(), list(range(16)), 0)
     step = SchedulerOutput([new], CachedRequestData(), {req_id: num_prompt_tokens}, num_prompt_tokens, set())
@@ -348,7 +348,7 @@ def test_idle_workers_and_engine_use_no_cpu(ray_cluster, parallel_models):
     llm = LLM(str(parallel_models["qwen3"][0]), max_model_len=256, tensor_parallel_size=2)
     try:
         llm.generate(PROMPTS, greedy(4), use_tqdm=False)
-        pids = llm.llm_engine.executor.worker_pids() + [os.getpid()]
+        pids = llm.llm_engine.engine_core.engine_core.executor.worker_pids() + [os.getpid()]
         time.sleep(0.5)
         before = [cpu_seconds(pid) for pid in pids]
         time.sleep(2.0)
@@ -363,7 +363,7 @@ def test_placement_must_give_one_bundle_per_rank():
     """The cluster lays out a replica's placement group; the executor only follows it, and a
     layout with the wrong number of bundles is refused before anything starts."""
     from pagedserve.config import EngineConfig, WorkerPlacement
-    from pagedserve.workers.ray_executor import RayExecutor
+    from pagedserve.executor.ray_executor import RayExecutor
 
     config = EngineConfig(model="tiny", tensor_parallel_size=2)  # not resolved: refused first
     with pytest.raises(ValueError, match=r"2 ranks: need one per rank"):

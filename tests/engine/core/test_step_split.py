@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pickle
 
-from pagedserve.engine.model_runner_output import ModelRunnerOutput, TokenLogprobs
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.engine.step_split import merge_outputs, split_step
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput, TokenLogprobs
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.engine.core.step_split import merge_outputs, split_step
 from pagedserve.sampling_params import SamplingParams
 
 

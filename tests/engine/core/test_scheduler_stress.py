@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 from pagedserve.engine.engine_core_output import FinishReason
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.scheduler_harness import EOS, FakeWorker, assert_no_leak, check_invariants, make_scheduler
+from tests.engine.core.scheduler_harness import EOS, FakeWorker, assert_no_leak, check_invariants, make_scheduler
 
 NUM_SEEDS = 150
 MAX_MODEL_LEN = 48

@@ -1,5 +1,5 @@
-"""The scheduler's output: one step's work, sent to every worker (pickled) each iteration. One
-of the two engine modules the workers may import (with model_runner_output.py).
+"""The scheduler's output: one step's work, sent to every worker (pickled) each iteration. Plain
+data: the scheduler fills it, the workers read it (see step_types/__init__.py).
 
 Keep it small: a step carries full data only for requests the workers have not seen, and diffs
 for the rest, because this is sent to every worker every iteration.
@@ -40,15 +40,6 @@ class CachedRequestData:
 
     def __len__(self) -> int:
         return len(self.req_ids)
-
-    def add(self, request, new_block_ids: list[int]) -> None:
-        """A running request's diff: the tokens the workers have not seen, and its new blocks.
-        (`request` is the scheduler's Request, not imported: workers import this module.)"""
-        self.req_ids.append(request.request_id)
-        self.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
-        request.num_tokens_on_workers = len(request.all_token_ids)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(request.num_computed_tokens)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The model runner's output: what the sampling rank sends back to the engine each step. One of
-the two engine modules the workers may import (with scheduler_output.py)."""
+"""The model runner's output: what the sampling rank sends back to the engine each step. Plain
+data: the workers fill it, the scheduler reads it (see step_types/__init__.py)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagedserve.engine.block_pool import BlockPool, KVCacheBlock, extend_block_hashes
-from pagedserve.engine.request import Request
+from pagedserve.engine.core.block_pool import BlockPool, KVCacheBlock, extend_block_hashes
+from pagedserve.engine.core.request import Request
 
 
 class KVCacheManager:

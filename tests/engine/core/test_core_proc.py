@@ -113,7 +113,7 @@ def test_dead_core_ends_every_stream(model_dirs):
     try:
         async def run():
             streams = await open_streams(llm)
-            os.kill(llm.engine.core.pid, signal.SIGKILL)
+            os.kill(llm.engine.engine_core.pid, signal.SIGKILL)
             return await drain(streams)
 
         errors = asyncio.run(run())
@@ -127,7 +127,7 @@ def test_dead_core_ends_every_stream(model_dirs):
 
 def test_shutdown_ends_streams_and_the_core_exits(model_dirs):
     llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256, **CORE)
-    pid = llm.engine.core.pid
+    pid = llm.engine.engine_core.pid
 
     async def run():
         streams = await open_streams(llm)
@@ -136,7 +136,7 @@ def test_shutdown_ends_streams_and_the_core_exits(model_dirs):
 
     errors = asyncio.run(run())
     assert all(isinstance(e, EngineDeadError) and "shutting down" in str(e) for e in errors), errors
-    assert llm.engine.core.process.returncode == 0  # it left its loop and released its workers
+    assert llm.engine.engine_core.process.returncode == 0  # it left its loop and released its workers
     assert not is_running(pid) and not llm.is_healthy
     with pytest.raises(EngineDeadError, match="shutting down"):
         asyncio.run(first_output(llm))
@@ -146,7 +146,7 @@ PARENT = """
 import sys, time
 from pagedserve import LLM
 llm = LLM(sys.argv[1], max_model_len=64, engine_core_process=True, num_cpu_threads=1)
-print(llm.llm_engine.core.pid, flush=True)
+print(llm.llm_engine.engine_core.pid, flush=True)
 time.sleep(600)
 """
 

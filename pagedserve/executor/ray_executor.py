@@ -21,11 +21,11 @@ import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.executor.executor import Executor, StepTooLargeError, WorkerGroupError
 from pagedserve.ray_env import cluster_resources, ensure_ray_initialized
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.workers import step_channel
-from pagedserve.workers.executor import Executor, StepTooLargeError, WorkerGroupError, resolve_device
 from pagedserve.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,13 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
+    ranks_run_where = "in the Ray cluster"
+
     @classmethod
-    def resolve_device(cls, engine_config: EngineConfig) -> str:
-        """The ranks' device: GPUs if the Ray cluster has any (this process may well have none).
-        Starts or joins Ray (with a CPU slot per rank) to ask."""
-        has_gpu = cluster_resources(engine_config.world_size).get("GPU", 0) > 0
-        return resolve_device(engine_config.device, has_gpu, where="in the Ray cluster")
+    def ranks_have_gpu(cls, engine_config: EngineConfig) -> bool:
+        """GPUs if the Ray cluster has any (this process may well have none). Starts or joins
+        Ray (with a CPU slot per rank) to ask."""
+        return cluster_resources(engine_config.world_size).get("GPU", 0) > 0
 
     # ---- set-up --------------------------------------------------------------------------
 

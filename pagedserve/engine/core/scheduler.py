@@ -27,11 +27,11 @@ import logging
 import time
 from collections import deque
 
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Scheduler:
                 new_block_ids = [block.block_id for block in new_blocks]
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            diffs.add(request, new_block_ids)
+            self._add_diff(diffs, request, new_block_ids)
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
@@ -274,6 +274,15 @@ class Scheduler:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
+
+    @staticmethod
+    def _add_diff(diffs: CachedRequestData, request: Request, new_block_ids: list[int]) -> None:
+        """A running request's diff: the tokens the workers have not seen, and its new blocks."""
+        diffs.req_ids.append(request.request_id)
+        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
+        request.num_tokens_on_workers = len(request.all_token_ids)
+        diffs.new_block_ids.append(new_block_ids)
+        diffs.num_computed_tokens.append(request.num_computed_tokens)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         request.num_tokens_on_workers = request.num_tokens

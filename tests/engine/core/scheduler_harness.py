@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedserve.engine.engine_core_output import EngineCoreOutput
-from pagedserve.engine.kv_cache_manager import KVCacheManager
-from pagedserve.engine.model_runner_output import ModelRunnerOutput
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.scheduler_output import SchedulerOutput
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.step_types.model_runner_output import ModelRunnerOutput
+from pagedserve.engine.core.request import Request, RequestStatus
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 
 BS = 4  # block size

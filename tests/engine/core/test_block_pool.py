@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pagedserve.engine.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
 
 def _chain(token_blocks: list[list[int]]) -> list[bytes]:
@@ -234,7 +234,7 @@ def test_repr_names_the_block():
 def test_a_cache_salt_changes_every_block_hash_of_the_chain():
     """The salt is the first block's parent, so it reaches every hash of the chain; equal salts
     give equal chains, and no salt gives the unsalted chain."""
-    from pagedserve.engine.block_pool import extend_block_hashes
+    from pagedserve.engine.core.block_pool import extend_block_hashes
 
     tokens = list(range(12))
     plain = extend_block_hashes([], tokens, 4)
