@@ -29,7 +29,7 @@ generate: install
 	$(VENV)/bin/pagedserve generate
 
 test: install
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs --durations=30
 
 bench: install
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py

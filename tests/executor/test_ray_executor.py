@@ -287,7 +287,7 @@ def test_step_over_the_channel_limit_is_split_not_a_dead_worker(ray_cluster, par
         assert finals["too-large"].finish_reason == "abort" and finals["too-large"].token_ids == []
         for i in range(4):
             assert finals[f"fits-{i}"].token_ids == hf.greedy(prompts[f"fits-{i}"], 8), i
-        assert llm.llm_engine.num_worker_restarts == 0 and not llm.llm_engine.is_dead
+        assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 0 and not llm.llm_engine.is_dead
         monkeypatch.undo()
         assert_matches_hf(llm, hf)  # and it keeps serving
     finally:

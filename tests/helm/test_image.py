@@ -35,9 +35,9 @@ def test_chart_tracks_the_image():
     assert chart["appVersion"] == version
 
 
-def test_install_is_the_readmes_with_the_constraints():
+def test_install_is_the_documented_one_with_the_constraints():
     assert f"RUN {INSTALL}\n" in DOCKERFILE
-    assert INSTALL in (REPO / "README.md").read_text()
+    assert INSTALL in (REPO / "docs" / "kubernetes.md").read_text()  # the image's step in the manual
     # The CPU variant takes torch's CPU build of the pinned version before that install.
     cpu_stage = DOCKERFILE.split("AS base-cpu", 1)[1].split("AS base-cuda", 1)[0]
     assert "--index-url https://download.pytorch.org/whl/cpu" in cpu_stage
