@@ -72,27 +72,26 @@ def write_report(report: dict, output: Path | str | None, argv: list[str] | None
     return text
 
 
-def least_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.thread_time) -> float:
-    """The least time of `repeats` calls after a warm-up, in ms. The default clock is this
-    thread's CPU time: other processes only ever add to it, so it holds on a loaded machine."""
+def _timed_calls(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` on `clock`, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         start = clock()
         fn()
         times.append(clock() - start)
-    return round(min(times) * 1e3, 3)
+    return times
+
+
+def least_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.thread_time) -> float:
+    """The least time of `repeats` calls after a warm-up, in ms. The default clock is this
+    thread's CPU time: other processes only ever add to it, so it holds on a loaded machine."""
+    return round(min(_timed_calls(fn, repeats, clock)) * 1e3, 3)
 
 
 def median_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """The median wall time of `repeats` calls after a warm-up, in ms."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return round(statistics.median(times) * 1e3, 3)
+    return round(statistics.median(_timed_calls(fn, repeats, clock)) * 1e3, 3)
 
 
 def percentile(values: list[float], q: float) -> float:
