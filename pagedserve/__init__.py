@@ -21,6 +21,7 @@ _EXPORTS = {
     "Logprob": "pagedserve.engine.request_output",
     "TextPrompt": "pagedserve.inputs",
     "TokensPrompt": "pagedserve.inputs",
+    "LoRARequest": "pagedserve.lora_request",
 }
 
 __all__ = list(_EXPORTS)
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.request_output import CompletionOutput, Logprob, RequestOutput
     from pagedserve.inputs import TextPrompt, TokensPrompt
+    from pagedserve.lora_request import LoRARequest
     from pagedserve.sampling_params import (
         RequestOutputKind,
         SamplingParams,

@@ -96,6 +96,13 @@ class EngineConfig(BaseModel):
         30.0, gt=0, description="A grammar still compiling after this long fails its request (too costly a spec)."
     )
 
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT folders) on top of the base model, chosen per request.")
+    max_loras: int = Field(1, ge=1, description="Adapters resident on the workers at once; at most this many distinct adapters run in one step.")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank (r) accepted; the slots are sized for it.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept loaded in host memory (LRU); default: max_loras. Must be >= max_loras."
+    )
+
     @field_validator("block_size")
     @classmethod
     def _block_size_is_power_of_two(cls, value: int) -> int:
@@ -112,6 +119,12 @@ class EngineConfig(BaseModel):
                     f"max_num_batched_tokens ({budget}) must be >= max_model_len ({limit}) "
                     "when enable_chunked_prefill is False: a whole prompt must fit in one step"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_the_slots(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         return self
 
     @property

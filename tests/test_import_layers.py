@@ -40,6 +40,7 @@ TOP_LEVEL_MODULES = {
     "pagedserve.config": "bottom",  # pydantic models for the engine's knobs: describes, resolves nothing
     "pagedserve.sampling_params": "bottom",  # a request's parameters
     "pagedserve.inputs": "bottom",  # prompts: the typed dicts the engine and the server take
+    "pagedserve.lora_request": "bottom",  # a request's adapter: the API, the engine and the server carry it
     "pagedserve.request_ids": "bottom",  # the shapes of request ids: the engine's child ids, the cluster's others
     # Starting or joining Ray: the cluster (replica placement) and the Ray executor
     # both need it, so it sits below both; it imports nothing of the project.
