@@ -14,11 +14,12 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator
 
 from pagedserve.cluster.autoscaling import BATCH_USAGE_METRIC, KV_USAGE_METRIC, NUM_WAITING_METRIC
 from pagedserve.cluster.ray_internals import SigtermHook
-from pagedserve.cluster.replica_drain import ReplicaDrain, end_actor
+from pagedserve.cluster.replica_drain import ENGINE_STOP_S, ReplicaDrain, end_actor, exit_by_deadline
 from pagedserve.cluster.routing_stats import RoutingStatsReporter
 from pagedserve.cluster.server_config import ServerConfig
 from pagedserve.cluster.stream_items import ErrorInfo, Handover, StreamItem, overloaded
@@ -187,7 +188,10 @@ class LLMServer:
     async def _exit_drained(self) -> None:
         """The drain's end: no stream is left here. Stop the engine, then the actor."""
         self._stopped.set()
-        await asyncio.to_thread(self.llm.shutdown)
+        exit_by_deadline()
+        started = time.monotonic()
+        await asyncio.to_thread(self.llm.shutdown, ENGINE_STOP_S)
+        logger.warning("drained: the engine stopped in %.2f s; ending the actor", time.monotonic() - started)
         end_actor()
 
     def _report_stats(self) -> None:
