@@ -39,6 +39,9 @@ def completion_choice(index: int, completion: CompletionOutput, num_top: int, te
     }
 
 
+MIN_JSON_LOGPROB = -9999.0
+
+
 def completion_logprobs(completion: CompletionOutput, num_top: int, text_offset: int) -> dict[str, Any]:
     """The legacy completions format: parallel lists, top_logprobs as {token: logprob}."""
     tokens, token_logprobs, top, offsets = [], [], [], []
@@ -46,8 +49,8 @@ def completion_logprobs(completion: CompletionOutput, num_top: int, text_offset:
     for token_id, entry in zip(completion.token_ids, completion.logprobs):
         sampled = entry[token_id]
         tokens.append(sampled.decoded_token)
-        token_logprobs.append(sampled.logprob)
-        top.append({lp.decoded_token: lp.logprob for lp in _top(entry, num_top)})
+        token_logprobs.append(json_logprob(sampled.logprob))
+        top.append({lp.decoded_token: json_logprob(lp.logprob) for lp in _top(entry, num_top)})
         offsets.append(offset)
         offset += len(sampled.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -90,7 +93,13 @@ def chat_logprobs(completion: CompletionOutput, num_top: int) -> dict[str, Any]:
 
 def _chat_token(lp: Logprob) -> dict[str, Any]:
     token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": json_logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: a token a grammar forbids has -inf, which strict JSON (and the
+    response encoder) refuses; vLLM's front end sends -9999.0 in its place, and so do we."""
+    return max(value, MIN_JSON_LOGPROB)
 
 
 def _top(entry: dict[int, Logprob], num_top: int) -> list[Logprob]:

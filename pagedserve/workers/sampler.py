@@ -1,7 +1,9 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, penalties, per-request seeds,
 and logprobs.
 
-Logprobs come from the raw logits, before penalties, temperature and truncation (vLLM's default).
+Logprobs come from the raw logits, before penalties, temperature and truncation (vLLM's default),
+but after a grammar's mask: a token the grammar forbids has logprob -inf, as in vLLM, whose
+runner masks the logits before its sampler sees them.
 Random rows sample by inverting their cumulative distribution at one uniform draw per row (no
 noise over the whole vocabulary); greedy rows cost an argmax and draw nothing. A seeded request
 draws its uniform from a generator seeded by (seed, output index): the token depends only on its own
@@ -64,13 +66,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
-        if batch.banned_tokens or batch.penalties is not None or batch.logit_bias or batch.grammar_rows is not None:
+        is_constrained = batch.grammar_rows is not None
+        if is_constrained:  # before the logprobs, as vLLM masks in its runner before its sampler
             logits = logits.clone()
+            apply_grammar(logits, batch.grammar_rows, batch.grammar_allowed)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
+        if batch.banned_tokens or batch.penalties is not None or batch.logit_bias:
+            logits = logits if is_constrained else logits.clone()
             _add_logit_bias(logits, batch.logit_bias)
-            if batch.grammar_rows is not None:
-                apply_grammar(logits, batch.grammar_rows, batch.grammar_allowed)
-            _ban_tokens(logits, batch.banned_tokens, is_constrained=batch.grammar_rows is not None)
+            _ban_tokens(logits, batch.banned_tokens, is_constrained=is_constrained)
             if batch.penalties is not None:
                 _apply_penalties(logits, batch.penalties)
         sampled = self._sample(logits, batch)

@@ -60,3 +60,14 @@ def test_chat_chunk_choice_sends_the_role_only_first():
     later = fmt.chat_chunk_choice(0, completion(logprobs=None, text="lo"), 0, first=False)
     assert first == {"index": 0, "delta": {"content": "Hel", "role": "assistant"}, "logprobs": None, "finish_reason": None}
     assert later == {"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop"}
+
+
+def test_a_forbidden_tokens_minus_infinity_is_sent_as_vllm_sends_it():
+    """A grammar's forbidden tokens have logprob -inf, which strict JSON cannot carry."""
+    import json
+
+    forbidden = [{7: Logprob(0.0, 1, "He"), 8: Logprob(float("-inf"), 2, "Ha")}, LOGPROBS[1]]
+    for choice in (fmt.completion_choice(0, completion(logprobs=forbidden), num_top=2), fmt.chat_choice(0, completion(logprobs=forbidden), num_top=2)):
+        text = json.dumps(choice, allow_nan=False)  # what the response encoder does
+        assert "-9999.0" in text
+    assert fmt.chat_choice(0, completion(logprobs=forbidden), num_top=2)["logprobs"]["content"][0]["top_logprobs"][1]["logprob"] == -9999.0

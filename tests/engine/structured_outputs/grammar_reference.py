@@ -63,3 +63,18 @@ class GrammarReference:
             input_ids = torch.tensor([[token_id]])
         self.cache[key] = outputs
         return outputs
+
+    @torch.inference_mode()
+    def masked_logprobs(self, prompt_token_ids: list[int], kind: str, value, token_ids: list[int]) -> torch.Tensor:
+        """[len(token_ids), vocab]: at each position (teacher-forced on `token_ids`), the log-softmax
+        of HF's logits masked by the matcher: what a constrained request's logprobs must equal."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compile(kind, value))
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        logits = self.model(torch.tensor([prompt_token_ids + token_ids[:-1]])).logits[0, len(prompt_token_ids) - 1 :].float()
+        for position, token_id in enumerate(token_ids):
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits[position : position + 1], bitmask)
+            assert matcher.accept_token(token_id)
+        return torch.log_softmax(logits, dim=-1)

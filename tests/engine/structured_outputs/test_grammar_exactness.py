@@ -71,3 +71,34 @@ def test_prefix_cache_hits_stay_exact(model_dirs, hf_references, grammar_referen
         assert all(o.num_cached_tokens > 0 for o in outputs)
     finally:
         llm.shutdown()
+
+
+# Float32 logits from two implementations of the same model differ by about 1e-6 relative
+# (another summation order); through a log-softmax over this vocabulary that stays far below
+# 1e-4, while a logprob taken before the mask differs by the log of the forbidden mass: the
+# tiny models' random weights spread it over hundreds of tokens, so nearly all of it.
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("kind", ["json", "choice"])
+def test_constrained_logprobs_are_the_masked_distribution(kind, model_dirs, grammar_references):
+    """A constrained request's logprobs (the sampled token's and the top alternatives') are
+    HF's log-softmax after the grammar's mask: forbidden tokens never appear among them."""
+    arch = PADDED
+    llm = LLM(str(model_dirs[arch]), max_model_len=256, dtype="float32")
+    try:
+        params = params_for(kind)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, structured_outputs=params.structured_outputs)
+        [output] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    completion = output.outputs[0]
+    expected = grammar_references[arch].masked_logprobs(output.prompt_token_ids, kind, SPECS[kind], completion.token_ids)
+    for position, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = expected[position]
+        for alternative_id, logprob in entry.items():
+            if row[alternative_id] == float("-inf"):  # fewer allowed tokens than asked for
+                assert logprob.logprob == float("-inf"), (position, alternative_id)
+            else:
+                assert abs(logprob.logprob - float(row[alternative_id])) < LOGPROB_ATOL, (position, alternative_id)
+        assert entry[token_id].rank == 1  # greedy: the best allowed token
