@@ -24,7 +24,7 @@ from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.cluster.serving_options import ServingOptions
 from pagedserve.cluster.tool_formats import forced_call_spec
 from pagedserve.cluster.tool_requests import template_tools
-from pagedserve.engine.engine_core_output import FinishReason
+from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, FinishReason
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.inputs import ChatPrompt, ServerPrompt, is_chat_prompt
@@ -124,7 +124,7 @@ class OpenAIServing:
 
         if request.stream:
             return self._events("text_completion", response_id, request, started, choice)
-        return await self._final("text_completion", response_id, request.n, started, choice)
+        return await self._final("text_completion", response_id, request, started, choice)
 
     async def chat(self, request: ChatCompletionRequest, tenant_salt: str | None = None) -> dict | AsyncIterator[str]:
         forced_spec, output = _chat_output(request, self.options)
@@ -158,7 +158,7 @@ class OpenAIServing:
                 body["message"], body["finish_reason"] = output.message(completion.text, completion.finish_reason)
             return body
 
-        return await self._final("chat.completion", response_id, request.n, started, choice)
+        return await self._final("chat.completion", response_id, request, started, choice)
 
     async def _defaults(self) -> dict[str, Any]:
         return await self.defaults.get() if self.defaults is not None else {}
@@ -188,17 +188,20 @@ class OpenAIServing:
             raise APIError.from_info(error)
         return [_Started(first, stream) for first, stream in zip(firsts, streams)]
 
-    async def _final(self, object_type: str, response_id: str, n: int, started: list[_Started], choice: Callable) -> dict:
+    async def _final(self, object_type: str, response_id: str, request: SamplingFields, started: list[_Started], choice: Callable) -> dict:
         """Non-streaming: each request's one output is final (FINAL_ONLY) and holds all n samples."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for prompt_index, item in enumerate(started):
             final = item.first
             if any(c.finish_reason == FinishReason.ABORT.value for c in final.outputs):
                 raise APIError(503, "the request was aborted: the engine stopped serving it", "ServiceUnavailableError")
+            failed = next((c for c in final.outputs if c.finish_reason == FinishReason.ERROR.value), None)
+            if failed is not None:
+                raise _failed_request_error(request, failed.error)
             prompt_tokens += len(final.prompt_token_ids)
             for completion in final.outputs:
                 completion_tokens += len(completion.token_ids)
-                choices.append(choice(prompt_index * n + completion.index, completion, False))
+                choices.append(choice(prompt_index * request.n + completion.index, completion, False))
         body = fmt.envelope(object_type, response_id, self.model_name, choices)
         body["usage"] = fmt.usage(prompt_tokens, completion_tokens)
         return body
@@ -216,6 +219,10 @@ class OpenAIServing:
             async for prompt_index, output in _merge(started):
                 if isinstance(output, ErrorInfo):
                     yield _event(APIError.from_info(output).body())
+                    break
+                failed = next((c for c in output.outputs if c.finish_reason == FinishReason.ERROR.value), None)
+                if failed is not None:  # the request's own input failed late: an error event ends the stream
+                    yield _event(_failed_request_error(request, failed.error).body())
                     break
                 for completion in output.outputs:
                     index = prompt_index * request.n + completion.index
@@ -267,6 +274,21 @@ def _sampling_params(
         raise APIError(400, str(error), param=error.field) from None
     except ValueError as error:  # a FieldError (structured outputs, tools, logit_bias) names its field
         raise APIError(400, str(error), param=getattr(error, "param", None)) from None
+
+
+def _failed_request_error(request: SamplingFields, message: str | None) -> APIError:
+    """A 400 for a request whose own input failed once running (engine finish_reason "error"),
+    naming the field a failed grammar came from."""
+    message = message or "the request failed"
+    if not message.startswith(GRAMMAR_ERROR_PREFIX):
+        return APIError(400, message)
+    if request.response_format is not None and request.response_format.type != "text":
+        field = "response_format"
+    elif request.structured_outputs is not None and request.structured_outputs.kinds():
+        field = "structured_outputs"
+    else:
+        field = "tools"  # the grammar of a forced tool call
+    return APIError(400, message, param=field)
 
 
 def _chat_output(request: ChatCompletionRequest, options: ServingOptions) -> tuple[dict | None, ChatOutput]:

@@ -16,6 +16,10 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # an EOS token, one of stop_token_ids, or a stop string
     LENGTH = "length"  # max_tokens, or max_model_len
     ABORT = "abort"  # the caller gave up on it, or the engine could not run it
+    ERROR = "error"  # its own input failed once running (a grammar that did not compile): see `error`
+
+
+GRAMMAR_ERROR_PREFIX = "structured outputs: "  # how an `error` from the request's grammar begins
 
 
 @dataclass
@@ -31,4 +35,5 @@ class EngineCoreOutput:
     # found later, by the output processor's detokenizer.
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # with FinishReason.ERROR: what failed, for the caller
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute

@@ -30,6 +30,7 @@ class Finish:
     reason: FinishReason
     stop_token_id: int | None = None  # the one of stop_token_ids that ended it
     stop_string: str | None = None  # the stop string found in its text
+    error: str | None = None  # with FinishReason.ERROR: what failed
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -88,6 +89,7 @@ class RequestState:
             logprobs=self.logprobs[start:] if self.logprobs is not None else None,
             finish_reason=finish.reason.value if finished else None,
             stop_reason=finish.stop_reason if finished else None,
+            error=finish.error if finished else None,
         )
 
 
@@ -178,7 +180,7 @@ class OutputProcessor:
             return Finish(FinishReason.STOP, stop_string=stop_string)
         if out.finish_reason is None:
             return None
-        return Finish(out.finish_reason, stop_token_id=out.stop_token_id)
+        return Finish(out.finish_reason, stop_token_id=out.stop_token_id, error=out.error)
 
     def _record_token_times(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
         metrics, stats = state.parent.metrics, self.stats

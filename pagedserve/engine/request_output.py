@@ -23,8 +23,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # a FinishReason value ("stop", "length" or "abort") once finished
+    finish_reason: str | None = None  # a FinishReason value ("stop", "length", "abort", "error") once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With finish_reason "error": why (a grammar that did not compile in time). Not in vLLM, whose
+    # "error" says only "internal error"; here the caller's own input failed, so it is told how.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -64,7 +67,7 @@ class RequestOutput:
             if new.logprobs is not None:
                 mine.logprobs = (mine.logprobs or []) + new.logprobs
             mine.cumulative_logprob = new.cumulative_logprob
-            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+            mine.finish_reason, mine.stop_reason, mine.error = new.finish_reason, new.stop_reason, new.error
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics

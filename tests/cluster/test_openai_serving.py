@@ -238,3 +238,35 @@ def test_an_aborted_whole_request_is_a_503():
     with pytest.raises(APIError) as raised:
         serve(engine, completion())
     assert raised.value.status == 503 and raised.value.type == "ServiceUnavailableError"
+
+
+GRAMMAR_FAILURE = "structured outputs: StructuredOutputsParams.json: the grammar did not compile within 30 s"
+
+
+def failed(error: str) -> RequestOutput:
+    """The engine's final item for a request whose own input failed once running."""
+    return RequestOutput("engine-id", None, PROMPT_IDS, [CompletionOutput(0, "", [], finish_reason="error", error=error)], True)
+
+
+@pytest.mark.parametrize("request_body, field", [
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (completion(structured_outputs={"regex": "[a-z]+"}), "structured_outputs"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice="required"), "tools"),
+])
+def test_a_grammar_that_failed_late_is_a_400_naming_its_field(request_body, field):
+    with pytest.raises(APIError) as raised:
+        serve(FakeEngine([failed(GRAMMAR_FAILURE)]), request_body)
+    assert (raised.value.status, raised.value.param, raised.value.message) == (400, field, GRAMMAR_FAILURE)
+
+
+def test_a_streamed_request_whose_grammar_failed_late_gets_an_error_event():
+    events = serve(FakeEngine([output((0, "", [], None), finished=False), failed(GRAMMAR_FAILURE)]),
+                   chat(response_format={"type": "json_object"}, stream=True))
+    assert events[-1] == "[DONE]"  # as vLLM ends a stream after an error event
+    assert events[-2]["error"]["message"] == GRAMMAR_FAILURE and events[-2]["error"]["param"] == "response_format"
+
+
+def test_another_late_failure_is_a_400_with_its_reason():
+    with pytest.raises(APIError) as raised:
+        serve(FakeEngine([failed("the request is too large to send to the workers")]), completion())
+    assert (raised.value.status, raised.value.param) == (400, None) and "too large" in raised.value.message

@@ -267,7 +267,7 @@ def _step_size(num_prompt_tokens: int, req_id: str) -> int:
 def test_step_over_the_channel_limit_is_split_not_a_dead_worker(ray_cluster, parallel_models, monkeypatch):
     """Issue 19's poison batch: a step past the channel's size limit was taken for a dead worker,
     rebuilt and resent until the engine died. Now it runs in parts; a request too large even
-    alone is ended ("abort") while the others finish exactly; no worker restarts."""
+    alone is ended ("error", saying why) while the others finish exactly; no worker restarts."""
     from pagedserve.workers import step_channel
 
     folder, hf = parallel_models["qwen3"]
@@ -284,7 +284,8 @@ def test_step_over_the_channel_limit_is_split_not_a_dead_worker(ray_cluster, par
         while llm.llm_engine.has_unfinished_requests():
             finals.update({o.request_id: o.outputs[0] for o in llm.llm_engine.step() if o.finished})
         assert set(finals) == set(prompts)
-        assert finals["too-large"].finish_reason == "abort" and finals["too-large"].token_ids == []
+        assert finals["too-large"].finish_reason == "error" and finals["too-large"].token_ids == []
+        assert "too large to send to the workers" in finals["too-large"].error
         for i in range(4):
             assert finals[f"fits-{i}"].token_ids == hf.greedy(prompts[f"fits-{i}"], 8), i
         assert llm.llm_engine.engine_core.engine_core.num_worker_restarts == 0 and not llm.llm_engine.is_dead

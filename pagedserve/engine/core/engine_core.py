@@ -166,7 +166,8 @@ class EngineCore:
         if refused:  # they sampled nothing, so the update above did not touch them
             logger.error("requests %s are too large for the step channel to the workers: ended", refused[:5])
             self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ABORTED)
-            outputs += [EngineCoreOutput(c, [], finish_reason=FinishReason.ABORT) for c in refused]
+            error = "the request is too large to send to the workers (its prompt, or its sampling parameters)"
+            outputs += [EngineCoreOutput(c, [], finish_reason=FinishReason.ERROR, error=error) for c in refused]
         return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:

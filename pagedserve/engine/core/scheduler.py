@@ -29,7 +29,7 @@ from collections import deque
 
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core.request import Request, RequestStatus
-from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, EngineCoreOutput, FinishReason
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -308,7 +308,7 @@ class Scheduler:
 
     def _is_grammar_ready(self, request: Request) -> bool:
         """Its matcher is ready (it now waits as any other request); if its grammar failed, the
-        request ends alone with finish_reason "abort" and the reason is logged."""
+        request ends alone with finish_reason "error", the reason going back with it."""
         grammar = request.grammar
         if grammar.poll(request.output_token_ids, time.monotonic()):
             request.status = RequestStatus.WAITING
@@ -317,7 +317,8 @@ class Scheduler:
             logger.warning("request %s failed: %s", request.request_id, grammar.error)
             request.status = RequestStatus.FINISHED_ABORTED
             self._free(request)
-            self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
+            error = f"{GRAMMAR_ERROR_PREFIX}{grammar.error}"
+            self._grammar_failures.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=error))
         return False
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:

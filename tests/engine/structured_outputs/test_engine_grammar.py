@@ -91,7 +91,9 @@ def test_compile_timeout_fails_that_request_only(engine, slow_compiles, monkeypa
     engine.add_request("json", PROMPT, json_params())
     engine.add_request("plain", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     finals = run(engine)
-    assert finals["json"].outputs[0].finish_reason == "abort" and finals["json"].outputs[0].token_ids == []
+    failed = finals["json"].outputs[0]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert failed.error == "structured outputs: StructuredOutputsParams.json: the grammar did not compile within 0.2 s (structured_outputs_compile_timeout_s); simplify the spec"
     assert finals["plain"].outputs[0].finish_reason == "length"
     assert engine.engine_core.engine_core.scheduler.num_constrained == 0
     # The engine goes on: the same spec, given time, works.
@@ -131,5 +133,6 @@ def test_resumed_tokens_that_break_the_grammar_end_that_request(engine, tokenize
     params = json_params(output_kind=RequestOutputKind.DELTA)
     bad = tokenizer.encode("nope", add_special_tokens=False)  # a JSON object cannot start so
     rest = stream(engine, "bad-resume", params, ResumeState(bad, 0))
-    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "error"
+    assert "is not allowed by the grammar" in rest[-1].outputs[0].error
     assert engine.engine_core.engine_core.scheduler.num_constrained == 0
