@@ -96,6 +96,11 @@ class EngineConfig(BaseModel):
         30.0, gt=0, description="A grammar still compiling after this long fails its request (too costly a spec)."
     )
 
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None,
+        description="A reasoning model's format: a constrained request's grammar applies only after its reasoning "
+        "ends (</think>), as vLLM's --reasoning-parser does; the server sets it from its own reasoning_parser.",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT folders) on top of the base model, chosen per request.")
     max_loras: int = Field(1, ge=1, description="Adapters resident on the workers at once; at most this many distinct adapters run in one step.")
     max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank (r) accepted; the slots are sized for it.")

@@ -222,7 +222,9 @@ class ServerConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_kwargs(model=self.model, **self.engine)
+        # The server's reasoning parser also tells the engine where a grammar starts.
+        reasoning = {"reasoning_parser": self.reasoning_parser} if self.reasoning_parser else {}
+        return EngineConfig.from_kwargs(model=self.model, **{**reasoning, **self.engine})
 
     def resolve_api_key(self) -> str | None:
         """The key clients must send: `api_key`, else the contents of `api_key_file`, else

@@ -92,6 +92,13 @@ def test_flags_override_the_file(tmp_path):
     assert (config.deployment.num_replicas, config.deployment.max_queued_requests) == (2, 10)
 
 
+def test_the_servers_reasoning_parser_tells_the_engine_where_a_grammar_starts():
+    assert ServerConfig(reasoning_parser="qwen3").engine_config().reasoning_parser == "qwen3"
+    assert ServerConfig().engine_config().reasoning_parser is None
+    # Set under engine: too, the engine's own setting stands.
+    assert ServerConfig(reasoning_parser="qwen3", engine={"reasoning_parser": "deepseek_r1"}).engine_config().reasoning_parser == "deepseek_r1"
+
+
 def test_parallelism_beyond_the_cluster_is_refused_before_any_actor(ray_cluster):
     from pagedserve.cluster.app import place_workers
 

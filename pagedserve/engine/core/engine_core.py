@@ -60,6 +60,7 @@ class EngineCore:
         self.structured_outputs = StructuredOutputManager(
             load_tokenizer(self.model_config.tokenizer_path), self.model_config.vocab_size,
             list(self.model_config.eos_token_ids), config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
+            reasoning_parser=config.reasoning_parser,
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

@@ -91,6 +91,14 @@ class Request:
         self.cache_salt = cache_salt
         # Its structured-output grammar and matcher (engine/structured_outputs), or None.
         self.grammar = None
+        # Output tokens before the grammar applies (a reasoning model's thinking); None while
+        # the reasoning goes on. 0 without a reasoning parser.
+        self.grammar_start: int | None = 0
+
+    @property
+    def grammar_token_ids(self) -> list[int]:
+        """The output tokens its grammar has seen (none while the reasoning goes on)."""
+        return [] if self.grammar_start is None else self.output_token_ids[self.grammar_start :]
 
     @property
     def num_tokens(self) -> int:

@@ -303,6 +303,9 @@ class Scheduler:
         if self.structured_outputs is None:
             raise ValueError("structured outputs are not enabled on this scheduler")
         request.grammar = self.structured_outputs.grammar_for(request.sampling_params.structured_outputs)
+        reasoning_end = self.structured_outputs.reasoning_end
+        if reasoning_end is not None:
+            request.grammar_start = reasoning_end.grammar_start(request.prompt_token_ids, request.output_token_ids)
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.num_constrained += 1
 
@@ -310,7 +313,7 @@ class Scheduler:
         """Its matcher is ready (it now waits as any other request); if its grammar failed, the
         request ends alone with finish_reason "error", the reason going back with it."""
         grammar = request.grammar
-        if grammar.poll(request.output_token_ids, time.monotonic()):
+        if grammar.poll(request.grammar_token_ids, time.monotonic()):
             request.status = RequestStatus.WAITING
             return True
         if grammar.error is not None:
@@ -328,7 +331,7 @@ class Scheduler:
         constrained = []
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = requests[req_id]
-            if request.grammar is not None and request.num_computed_tokens + num_tokens == request.num_tokens:
+            if request.grammar_start is not None and request.grammar is not None and request.num_computed_tokens + num_tokens == request.num_tokens:
                 constrained.append(request)
         if constrained:
             output.grammar_req_ids = [r.request_id for r in constrained]
@@ -336,7 +339,12 @@ class Scheduler:
 
     def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
         """Feed the sampled token to the matcher: STOPPED once the grammar is complete, ABORTED
-        if it refuses the token (the mask allowed nothing the sampler could take)."""
+        if it refuses the token (the mask allowed nothing the sampler could take). While the
+        reasoning goes on, only watch for its end: the grammar starts with the next token."""
+        if request.grammar_start is None:
+            if token_id == self.structured_outputs.reasoning_end.end_token_id:
+                request.grammar_start = request.num_output_tokens  # this token, appended, is the last before it
+            return None
         grammar = request.grammar
         if not grammar.accept(token_id):
             logger.warning("request %s failed: %s", request.request_id, grammar.error)

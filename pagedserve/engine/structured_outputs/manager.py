@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.engine.structured_outputs.backend import GrammarBackend
 from pagedserve.engine.structured_outputs.grammar_cache import GrammarCache
+from pagedserve.engine.structured_outputs.reasoning_end import ReasoningEnd
 from pagedserve.engine.structured_outputs.request_grammar import RequestGrammar
 from pagedserve.engine.structured_outputs.validation import BACKENDS, resolve_backend_name
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -27,7 +28,7 @@ class StructuredOutputManager:
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str = "auto",
-        compile_timeout_s: float = 30.0, max_workers: int = 2, cache_size: int = 256,
+        compile_timeout_s: float = 30.0, max_workers: int = 2, cache_size: int = 256, reasoning_parser: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, padding included
@@ -38,6 +39,8 @@ class StructuredOutputManager:
         self.cache = GrammarCache(cache_size)
         self._backends: dict[str, GrammarBackend] = {}
         self._backends_lock = threading.Lock()
+        # Set: a grammar applies only once the request's reasoning has ended.
+        self.reasoning_end = ReasoningEnd.for_parser(reasoning_parser, tokenizer) if reasoning_parser else None
 
     @property
     def num_bitmask_words(self) -> int:
