@@ -96,6 +96,11 @@ class EngineConfig(BaseModel):
         30.0, gt=0, description="A grammar still compiling after this long fails its request (too costly a spec)."
     )
 
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults of LLM.generate called without SamplingParams (vLLM's get_default_sampling_params): "
+        "'auto' (the model folder's generation_config.json), 'vllm' (none: SamplingParams' own) or a folder holding one.",
+    )
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
         None,
         description="A reasoning model's format: a constrained request's grammar applies only after its reasoning "

@@ -222,9 +222,12 @@ class ServerConfig(BaseModel):
         )
 
     def engine_config(self) -> EngineConfig:
-        # The server's reasoning parser also tells the engine where a grammar starts.
-        reasoning = {"reasoning_parser": self.reasoning_parser} if self.reasoning_parser else {}
-        return EngineConfig.from_kwargs(model=self.model, **{**reasoning, **self.engine})
+        # The server's reasoning parser also tells the engine where a grammar starts; its
+        # generation config is the engine's too.
+        shared = {"generation_config": self.generation_config}
+        if self.reasoning_parser:
+            shared["reasoning_parser"] = self.reasoning_parser
+        return EngineConfig.from_kwargs(model=self.model, **{**shared, **self.engine})
 
     def resolve_api_key(self) -> str | None:
         """The key clients must send: `api_key`, else the contents of `api_key_file`, else

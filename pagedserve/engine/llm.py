@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.chat import render_chat
 from pagedserve.engine.engine_core_output import FinishReason
+from pagedserve.engine.generation_config import generation_defaults
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.request_output import RequestOutput
@@ -30,12 +31,22 @@ class LLM:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
+        self._default_params: SamplingParams | None = None
         # Release workers and caches on shutdown(), garbage collection or interpreter exit.
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.llm_engine)
         atexit.register(self._finalizer)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the model author's sampling from
+        its generation_config.json (EngineConfig.generation_config), as vLLM's LLM does."""
+        if self._default_params is None:
+            config = self.llm_engine.config
+            defaults = generation_defaults(config.generation_config, self.llm_engine.model_config.model_path)
+            self._default_params = SamplingParams(**defaults)
+        return self._default_params
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -68,7 +79,7 @@ class LLM:
 
     def _params_per_prompt(self, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * num_prompts
         else:

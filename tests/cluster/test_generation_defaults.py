@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pagedserve.cluster.generation_defaults import GenerationDefaults, read_generation_defaults
+from pagedserve.cluster.generation_defaults import GenerationDefaults
+from pagedserve.engine.generation_config import read_generation_defaults
 from pagedserve.cluster.protocol import ChatCompletionRequest
 
 SMOLLM2 = {"temperature": 0.2, "top_p": 0.9, "eos_token_id": 2, "do_sample": True}
