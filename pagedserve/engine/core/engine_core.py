@@ -16,6 +16,7 @@ schedules it, and the step types carry the slot ids to the workers).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
@@ -56,9 +57,9 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # Grammar state sits beside the scheduler; the grammar compilers need the vocabulary
-        # (the one thing the core reads a tokenizer for).
+        # (the one thing the core reads a tokenizer for, on the first constrained request).
         self.structured_outputs = StructuredOutputManager(
-            load_tokenizer(self.model_config.tokenizer_path), self.model_config.vocab_size,
+            functools.partial(load_tokenizer, self.model_config.tokenizer_path), self.model_config.vocab_size,
             list(self.model_config.eos_token_ids), config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
             reasoning_parser=config.reasoning_parser,
         )

@@ -7,7 +7,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,10 +27,13 @@ class StructuredOutputManager:
     matchers. Backends are built on first use, in the pool (xgrammar reads the whole vocabulary)."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str = "auto",
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int], backend: str = "auto",
         compile_timeout_s: float = 30.0, max_workers: int = 2, cache_size: int = 256, reasoning_parser: str | None = None,
     ):
-        self.tokenizer = tokenizer
+        # Loaded when first needed (the first constrained request, or a reasoning parser at
+        # start): an engine that never constrains never reads a tokenizer.
+        self._load_tokenizer = load_tokenizer
+        self._tokenizer: Any = None
         self.vocab_size = vocab_size  # the logits' width, padding included
         self.stop_token_ids = list(stop_token_ids)
         self.backend_setting = backend
@@ -39,8 +42,16 @@ class StructuredOutputManager:
         self.cache = GrammarCache(cache_size)
         self._backends: dict[str, GrammarBackend] = {}
         self._backends_lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         # Set: a grammar applies only once the request's reasoning has ended.
-        self.reasoning_end = ReasoningEnd.for_parser(reasoning_parser, tokenizer) if reasoning_parser else None
+        self.reasoning_end = ReasoningEnd.for_parser(reasoning_parser, self.tokenizer) if reasoning_parser else None
+
+    @property
+    def tokenizer(self) -> Any:
+        with self._tokenizer_lock:  # (the compile threads build backends from it)
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            return self._tokenizer
 
     @property
     def num_bitmask_words(self) -> int:

@@ -84,3 +84,13 @@ def test_a_refused_request_ends_as_abort_and_counts_as_taken_in(core):
 def test_an_unknown_message_is_an_error(core):
     with pytest.raises(TypeError, match="unknown message: str"):
         core.handle("hello")
+
+
+def test_reads_a_tokenizer_only_for_its_first_constrained_request(core):
+    """The grammar engine's vocabulary is read when a grammar first needs it, not at start."""
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    manager = core.structured_outputs
+    assert manager._tokenizer is None  # started, and served requests, without it
+    manager.grammar_for(StructuredOutputsParams(regex="[a-z]+")).future.result(timeout=60)
+    assert manager._tokenizer is not None
