@@ -1,5 +1,5 @@
-"""The engine core's structured-output state, beside the scheduler: backends, a compile thread
-pool, an LRU of compiled grammars, and the per-step bitmask."""
+"""The engine core's structured-output state, beside the scheduler: backends, the compile threads
+(compile_pool.py), an LRU of compiled grammars, and the per-step bitmask."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedserve.engine.structured_outputs.backend import GrammarBackend
+from pagedserve.engine.structured_outputs.compile_pool import CompilePool
 from pagedserve.engine.structured_outputs.grammar_cache import GrammarCache
 from pagedserve.engine.structured_outputs.reasoning_end import ReasoningEnd
 from pagedserve.engine.structured_outputs.request_grammar import RequestGrammar
@@ -38,7 +39,7 @@ class StructuredOutputManager:
         self.stop_token_ids = list(stop_token_ids)
         self.backend_setting = backend
         self.compile_timeout_s = compile_timeout_s
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self.pool = CompilePool(max_workers)
         self.cache = GrammarCache(cache_size)
         self._backends: dict[str, GrammarBackend] = {}
         self._backends_lock = threading.Lock()
@@ -62,8 +63,7 @@ class StructuredOutputManager:
         allowed backend takes (checked at once, cheaply)."""
         name = resolve_backend_name(params, self.backend_setting)
         future = self.cache.get_or_submit((name, params.cache_key()), lambda: self.pool.submit(self._compile, name, params))
-        now = time.monotonic()
-        return RequestGrammar(future, now + self.compile_timeout_s, self.compile_timeout_s, params.kind)
+        return RequestGrammar(future, time.monotonic(), self.compile_timeout_s, params.kind, self.pool.abandon)
 
     def _compile(self, name: str, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
         backend = self._backend(name)
@@ -93,4 +93,4 @@ class StructuredOutputManager:
             concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()

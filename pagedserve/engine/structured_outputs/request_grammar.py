@@ -4,10 +4,14 @@ request's output tokens."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 
 from pagedserve.engine.structured_outputs.backend import GrammarMatcher
+
+
+QUEUE_WAIT_FACTOR = 4
 
 
 class RequestGrammar:
@@ -15,10 +19,13 @@ class RequestGrammar:
     of the grammar and those tokens, so a matcher made late (the grammar compiled after outputs
     exist: a resumed or handed-over request) catches up by replaying them (`sync`)."""
 
-    def __init__(self, future: Future, deadline: float, timeout_s: float, kind: str):
+    def __init__(self, future: Future, created_at: float, timeout_s: float, kind: str, abandon: Callable[[Future], Any] = lambda _: None):
         self.future = future  # -> (backend, compiled grammar)
-        self.deadline = deadline  # time.monotonic() past which a compile still running fails it
+        self.created_at = created_at  # time.monotonic()
+        # A compile still running `timeout_s` after it started fails the request; one that has
+        # waited QUEUE_WAIT_FACTOR times as long for a thread does too.
         self.timeout_s = timeout_s
+        self.abandon = abandon  # told of a compile given up on: its thread stops counting
         self.kind = kind  # "json", "regex"...: for messages
         self.matcher: GrammarMatcher | None = None
         self.num_accepted = 0
@@ -34,11 +41,9 @@ class RequestGrammar:
         if self.matcher is not None or self.error is not None:
             return self.error is None
         if not self.future.done():
-            if now > self.deadline:
-                self.error = (
-                    f"StructuredOutputsParams.{self.kind}: the grammar did not compile within "
-                    f"{self.timeout_s:g} s (structured_outputs_compile_timeout_s); simplify the spec"
-                )
+            self.error = self._timeout_error(now)
+            if self.error is not None:
+                self.abandon(self.future)
             return False
         try:
             backend, compiled = self.future.result()
@@ -49,6 +54,17 @@ class RequestGrammar:
             )
             return False
         return self.sync(output_token_ids)
+
+    def _timeout_error(self, now: float) -> str | None:
+        started_at = getattr(self.future, "started_at", None)
+        if started_at is not None and now > started_at + self.timeout_s:
+            return (
+                f"StructuredOutputsParams.{self.kind}: the grammar did not compile within "
+                f"{self.timeout_s:g} s (structured_outputs_compile_timeout_s); simplify the spec"
+            )
+        if now > self.created_at + QUEUE_WAIT_FACTOR * self.timeout_s:
+            return f"StructuredOutputsParams.{self.kind}: no compile thread came free within {QUEUE_WAIT_FACTOR * self.timeout_s:g} s; retry later"
+        return None
 
     def sync(self, output_token_ids: list[int]) -> bool:
         """Replay the outputs the matcher has not seen; False (and `error`) if one breaks the grammar."""

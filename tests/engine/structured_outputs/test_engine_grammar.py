@@ -5,6 +5,7 @@ replays its earlier outputs. In-process LLMEngine on the padded tiny model."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import jsonschema
@@ -136,3 +137,31 @@ def test_resumed_tokens_that_break_the_grammar_end_that_request(engine, tokenize
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "error"
     assert "is not allowed by the grammar" in rest[-1].outputs[0].error
     assert engine.engine_core.engine_core.scheduler.num_constrained == 0
+
+
+def test_compiles_that_never_end_do_not_starve_the_next(engine, monkeypatch):
+    """Two compiles that hang (the libraries cannot cancel one) hold both compile threads; each
+    fails its own request at the timeout, and a constrained request behind them still runs."""
+    manager = engine.engine_core.engine_core.structured_outputs
+    compile_, released = manager._compile, threading.Event()
+
+    def hanging_for_some(name, params):
+        if params.regex is not None and params.regex.startswith("hang"):
+            released.wait(60)
+        return compile_(name, params)
+
+    monkeypatch.setattr(manager, "_compile", hanging_for_some)
+    monkeypatch.setattr(manager, "compile_timeout_s", 0.5)
+    manager.cache.entries.clear()
+    try:
+        for i in range(2):
+            so = StructuredOutputsParams(regex=f"hang{i}[a-z]+")
+            engine.add_request(f"hang{i}", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so))
+        monkeypatch.setattr(manager, "compile_timeout_s", 30.0)  # the one behind them has time to compile
+        engine.add_request("json", PROMPT, json_params())
+        finals = run(engine)
+    finally:
+        released.set()
+    assert [finals[f"hang{i}"].outputs[0].finish_reason for i in range(2)] == ["error", "error"]
+    jsonschema.validate(json.loads(finals["json"].outputs[0].text), PERSON_SCHEMA)
+    assert manager.pool.num_abandoned >= 2
