@@ -111,6 +111,38 @@ def test_ray_parallel_matches_hf(ray_cluster, tp, pp, smollm2_gguf, smollm2_hf, 
         llm.shutdown()
 
 
+# A schema a trained model fills with its own words: the answer's content is the model's, the
+# shape the grammar's.
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+    "required": ["city", "country"], "additionalProperties": False,
+}
+CONSTRAINED = {"json": CITY_SCHEMA, "choice": ["Paris", "Lyon", "Nice"], "regex": r"[A-Z][a-z]{2,9}"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_grammar(smollm2_hf, gguf_tokenizer):
+    from tests.engine.structured_outputs.grammar_reference import GrammarReference
+
+    return GrammarReference.of(smollm2_hf.model, gguf_tokenizer)
+
+
+def test_constrained_greedy_matches_hf_masked_by_xgrammar(default_llm, smollm2_grammar, prompts):
+    """Every spec kind on every chat prompt: the engine's constrained greedy equals HF's logits
+    masked by xgrammar's own matcher, token by token (a 49152-token vocabulary, trained weights)."""
+    from pagedserve import StructuredOutputsParams
+
+    chats = prompts[: len(CHATS)]
+    cases = [(prompt, kind) for prompt in chats for kind in CONSTRAINED]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(**{kind: CONSTRAINED[kind]})) for _, kind in cases]
+    outputs = default_llm.generate([p for p, _ in cases], params, use_tqdm=False)
+    for (prompt, kind), output in zip(cases, outputs):
+        expected = smollm2_grammar.greedy(prompt["prompt_token_ids"], kind, CONSTRAINED[kind], MAX_TOKENS)
+        assert output.outputs[0].token_ids == expected, (kind, output.outputs[0].text)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outputs) == len(cases)  # every grammar completed
+
+
 def test_engine_tokenizer_is_the_gguf_tokenizer(default_llm, gguf_tokenizer, prompts):
     """The converted folder's tokenizer and chat template give the same ids as the GGUF's own."""
     outputs = default_llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)

@@ -13,11 +13,22 @@ class GrammarReference:
     """Greedy constrained completions of one tiny checkpoint, cached per (prompt, spec, max_tokens)."""
 
     def __init__(self, model_dir: Path):
-        import xgrammar as xgr
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self._setup(model, AutoTokenizer.from_pretrained(str(model_dir)))
+
+    @classmethod
+    def of(cls, model, tokenizer) -> GrammarReference:
+        """Over a model already loaded (a GGUF's HF load, say) and its tokenizer."""
+        reference = cls.__new__(cls)
+        reference._setup(model, tokenizer)
+        return reference
+
+    def _setup(self, model, tokenizer) -> None:
+        import xgrammar as xgr
+
+        self.model = model
         self.vocab_size = self.model.config.vocab_size  # the logits' width, padding included
         eos = self.model.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
