@@ -11,6 +11,8 @@ grow, as OpenAI streams them.
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -22,7 +24,14 @@ from pagedserve.cluster.tool_formats import forced_call_parser
 from pagedserve.cluster.tool_requests import NamedToolChoice, ToolChoice
 
 
-def new_call_id() -> str:
+MISTRAL_CALL_ID_CHARS = string.ascii_letters + string.digits
+
+
+def new_call_id(tool_call_parser: str | None = None) -> str:
+    """OpenAI's `call_` + 24 hex digits; under mistral, 9 letters and digits, the only ids
+    Mistral's chat templates accept (vLLM's MistralToolCall.generate_random_id)."""
+    if tool_call_parser == "mistral":
+        return "".join(secrets.choice(MISTRAL_CALL_ID_CHARS) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -31,6 +40,7 @@ class ChatOutput:
 
     def __init__(self, options: ServingOptions, tool_choice: ToolChoice, has_tools: bool):
         self.reasoning: ReasoningParser | None = get_reasoning_parser(options.reasoning_parser) if options.reasoning_parser else None
+        self.tool_call_parser = options.tool_call_parser  # (the shape of call ids)
         self.is_named = isinstance(tool_choice, NamedToolChoice)
         self.tools: ToolParser | None = None
         if has_tools and (self.is_named or tool_choice == "required"):
@@ -59,7 +69,7 @@ class ChatOutput:
             parsed = self.tools.parse(content, True)
             if parsed.calls:
                 message["content"] = parsed.content or None
-                message["tool_calls"] = [_call(new_call_id(), call) for call in parsed.calls]
+                message["tool_calls"] = [_call(new_call_id(self.tool_call_parser), call) for call in parsed.calls]
                 finish_reason = self._finish_reason(finish_reason)
         return message, finish_reason
 
@@ -113,7 +123,7 @@ class ChoiceStream:
             if call.name is None:
                 break  # calls are announced in order, each once its name is whole
             if index == len(self.calls_sent):
-                deltas.append({"index": index, **_call(new_call_id(), call)})
+                deltas.append({"index": index, **_call(new_call_id(self.output.tool_call_parser), call)})
                 self.calls_sent.append(len(call.arguments))
                 continue
             fragment = call.arguments[self.calls_sent[index] :]

@@ -4,6 +4,7 @@ SamplingParams, and bad values refused with a 400 that names the field (no serve
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -210,3 +211,51 @@ def test_hermes_frame_refuses_a_bad_parameters_schema_naming_tools():
     with pytest.raises(APIError) as error:
         _chat_output(request, options)
     assert error.value.status == 400 and error.value.param == "tools"
+
+
+def forced_spec(parser: str, **fields) -> tuple[dict, object]:
+    options = ServingOptions(enable_auto_tool_choice=True, tool_call_parser=parser)
+    return _chat_output(chat(tools=[tool("f", SCHEMA), tool("g")], **fields), options)
+
+
+def test_llama3_json_server_forces_calls_in_llama3s_own_shape():
+    """{"name": ..., "parameters": {...}}, several joined by "; ", read back by the llama3_json parser."""
+    spec, output = forced_spec("llama3_json", tool_choice="required")
+    call_f, call_g = '{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "parameters": {}}'
+    grammar = spec["grammar"]
+    assert accepts(grammar, call_f) and accepts(grammar, f"{call_f}; {call_g}")
+    assert not accepts(grammar, '{"name": "f", "arguments": {"a": 1}}')  # OpenAI's key is not Llama's
+    assert not accepts(grammar, '{"name": "f", "parameters": {"a": "x"}}')  # the schema holds
+    assert output.tools.name == "llama3_json"
+    message, finish = output.message(f"{call_f}; {call_g}", "stop")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [("f", {"a": 1}), ("g", {})]
+    assert finish == "tool_calls"
+    named, _ = forced_spec("llama3_json", tool_choice={"type": "function", "function": {"name": "f"}})
+    assert set(named["json"]["properties"]) == {"name", "parameters"}  # one call: a JSON schema either backend takes
+
+
+def test_mistral_server_forces_the_call_array_and_ids_of_nine_characters():
+    """Mistral's [TOOL_CALLS] is a special token no grammar writes: the forced reply is the JSON
+    array that follows it; its call ids are the 9 letters and digits Mistral's templates want."""
+    spec, output = forced_spec("mistral", tool_choice={"type": "function", "function": {"name": "f"}})
+    assert spec["json"]["type"] == "array" and spec["json"]["maxItems"] == 1
+    message, finish = output.message('[{"name": "f", "arguments": {"a": 1}}]', "stop")
+    [call] = message["tool_calls"]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"]) and call["function"]["name"] == "f" and finish == "stop"  # (named: as OpenAI)
+    assert "maxItems" not in forced_spec("mistral", tool_choice="required")[0]["json"]
+    hermes_call = hermes_spec(tool_choice="required")[1].message('<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>', "stop")[0]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", hermes_call["tool_calls"][0]["id"])
+
+
+def test_the_guidance_backend_refuses_the_hermes_frame_clearly():
+    """A framed call is xgrammar's EBNF, which llguidance cannot read: under
+    structured_outputs_backend guidance the input check refuses it (a 400 where the request
+    enters), never a failure later."""
+    from pagedserve.engine.structured_outputs.validation import resolve_backend_name
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    grammar, _ = hermes_spec(tool_choice="required")
+    params = StructuredOutputsParams(grammar=grammar)
+    assert resolve_backend_name(params, "auto") == "xgrammar"
+    with pytest.raises(ValueError, match="StructuredOutputsParams.grammar is invalid for llguidance"):
+        resolve_backend_name(params, "guidance")
