@@ -135,6 +135,8 @@ class EngineConfig(BaseModel):
     def _cpu_loras_hold_the_slots(self) -> EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.enforce_eager is False:
+            raise ValueError("enable_lora runs the model eagerly: leave enforce_eager unset or True (torch.compile is not combined with LoRA)")
         return self
 
     @property

@@ -26,6 +26,7 @@ from pagedserve.engine.input_processor import PromptType, ResumeState
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,14 +119,15 @@ class AsyncLLM:
         return self.engine.dead_reason or (None if self._thread.is_alive() else "the engine loop has stopped")
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, resume: ResumeState | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, resume: ResumeState | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. Bad input raises ValueError before the
         first output; a full waiting queue raises EngineOverloadedError; a dead or stopping
         engine raises EngineDeadError (also mid-stream). Leaving the iteration early (a client
         that went away) aborts the request."""
         self._raise_if_dead()
-        processed = self.engine.input_processor.process(prompt, sampling_params, resume)  # resume: see ResumeState
+        processed = self.engine.input_processor.process(prompt, sampling_params, resume, lora_request)  # resume: see ResumeState
         stream = _Stream(asyncio.get_running_loop(), sampling_params.output_kind)
         with self._lock:
             self._raise_if_dead()  # the loop died or shutdown began after the check above
@@ -168,6 +170,17 @@ class AsyncLLM:
         self.engine.shutdown(timeout)  # the output thread's wait for the next step then ends
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    # ---- LoRA adapters (vLLM's names; checked and registered in the front end) -----------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def stats(self) -> EngineStats:
         """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy)."""

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
+from pagedserve.engine.lora_registry import LoRARegistry
 from pagedserve.engine.tokenizer import TextLimit
+from pagedserve.lora_request import LoRARequest
 from pagedserve.inputs import MAX_CACHE_SALT_CHARS, PromptType
 from pagedserve.engine.structured_outputs.validation import validate_structured_outputs
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -32,21 +34,27 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     resume: ResumeState | None = None  # set for a request handed over from another replica
     cache_salt: str | None = None  # the tenant's: its prompts share cached blocks only with each other
+    lora_request: LoRARequest | None = None  # its adapter (checked by the front end's LoRARegistry)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, tokenizer: Any, engine_config: EngineConfig, model_config: ModelConfig, loras: LoRARegistry | None = None):
         """No check against the KV cache's size is needed: the engine caps max_model_len to what
         the cache holds, and no request outgrows max_model_len."""
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         self.model_config = model_config
         self._text_limit: TextLimit | None = None  # computed at the first text prompt
+        self.loras = loras or LoRARegistry(engine_config)
 
-    def process(self, prompt: PromptType, params: SamplingParams, resume: ResumeState | None = None) -> ProcessedPrompt:
+    def process(
+        self, prompt: PromptType, params: SamplingParams, resume: ResumeState | None = None, lora_request: LoRARequest | None = None
+    ) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        lora_request = self.loras.check(lora_request)
         processed = self._tokenize(prompt)
+        processed.lora_request = lora_request
         self._check_prompt(processed.prompt_token_ids)
         self._check_params(params)
         if resume is not None:

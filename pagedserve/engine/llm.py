@@ -17,6 +17,7 @@ from pagedserve.engine.generation_config import generation_defaults
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import EngineDeadError, LLMEngine
 from pagedserve.engine.request_output import RequestOutput
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -56,11 +57,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in input order."""
+        """Complete every prompt; outputs come back in input order. `lora_request`: one adapter
+        for all, or one entry per prompt (None: the base model); needs enable_lora=True."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        request_ids = self._add_requests(prompt_list, params_list)
+        request_ids = self._add_requests(prompt_list, params_list, _per_prompt(lora_request, len(prompt_list)))
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -92,13 +95,13 @@ class LLM:
         # Offline callers want the finished result only: skip building per-step outputs.
         return [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams) else p for p in params_list]
 
-    def _add_requests(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list[PromptType], params_list: list[SamplingParams], loras: list[LoRARequest | None]) -> list[str]:
         """All or nothing: if one prompt is rejected, the ones already added are aborted."""
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora_request in zip(prompts, params_list, loras):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 request_ids.append(request_id)
         except BaseException:
             self.llm_engine.abort_request(request_ids)
@@ -126,6 +129,15 @@ class LLM:
             num_aborted = sum(1 for r in results if r is not None and r.outputs[0].finish_reason == FinishReason.ABORT.value)
             raise EngineDeadError(f"{num_aborted} request(s) aborted: {self.llm_engine.dead_reason}")
         return results
+
+
+def _per_prompt(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(loras)} lora requests: give one LoRARequest for all, or exactly one per prompt")
+    return loras
 
 
 class _Progress:

@@ -24,6 +24,7 @@ from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -67,9 +68,28 @@ class LLMEngine:
         """Engine requests (n per user request) waiting for a slot, those on their way included."""
         return self.engine_core.num_waiting_requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Validate and queue a request; raises ValueError (queueing nothing) on bad input."""
-        self.add_processed_request(request_id, self.input_processor.process(prompt, params), params, arrival_time)
+        processed = self.input_processor.process(prompt, params, lora_request=lora_request)
+        self.add_processed_request(request_id, processed, params, arrival_time)
+
+    # ---- LoRA adapters (vLLM's names) ---------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and register it ahead of its requests (ValueError if it cannot be
+        served); False if its id was already known."""
+        return self.input_processor.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its requests must name it again, by the same id and path). Workers
+        that hold its weights let them go as newer adapters need room."""
+        return self.input_processor.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.input_processor.loras.list()
 
     def add_processed_request(
         self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None

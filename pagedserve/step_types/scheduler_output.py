@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplerParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplerParams
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
+    lora_request: LoRARequest | None = None  # its adapter (the workers load it on first sight)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
+from pagedserve.workers.lora.context import LoRAGroups
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, to_device
 
 
@@ -33,6 +34,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known: prompt + outputs
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each request's lora_int_id (0: none)
+        self.num_lora_rows = 0  # rows with an adapter: 0 skips the per-token lookup
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -60,6 +63,8 @@ class InputBatch:
         self._append_tokens(row, state.token_ids)
         self._append_blocks(row, state.block_ids)
         self.num_computed[row] = new.num_computed_tokens
+        self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
+        self.num_lora_rows += bool(self.lora_ids[row])
 
     def remove(self, req_id: str) -> None:
         """Forget a request; unknown ids are ignored (a request may end before it first ran)."""
@@ -68,6 +73,8 @@ class InputBatch:
             return
         del self.states[req_id]
         self.row_states[row] = None
+        self.num_lora_rows -= bool(self.lora_ids[row])
+        self.lora_ids[row] = 0
         self.free_rows.append(row)
 
     def _apply_diffs(self, cached: CachedRequestData) -> None:
@@ -114,7 +121,7 @@ class InputBatch:
 
     def _grow_rows(self) -> None:
         old = len(self.row_states)
-        for name in ("token_ids", "block_table", "num_tokens", "num_computed", "num_blocks"):
+        for name in ("token_ids", "block_table", "num_tokens", "num_computed", "num_blocks", "lora_ids"):
             array = getattr(self, name)
             grown = np.zeros((2 * old, *array.shape[1:]), dtype=array.dtype)
             grown[:old] = array
@@ -172,6 +179,7 @@ class InputBatch:
             meta=meta,
             logits_indices=to_device(query_start_loc[1:][samples] - 1, self.device),
             sampled_states=sampled_states,
+            lora_groups=LoRAGroups.of(self.lora_ids[token_rows], self.device) if self.num_lora_rows else None,
         )
 
 

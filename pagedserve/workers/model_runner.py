@@ -15,6 +15,8 @@ from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import InputBatch
+from pagedserve.workers.lora.context import lora_context
+from pagedserve.workers.lora.manager import WorkerLoRAManager
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
 from pagedserve.workers.parallel_state import ParallelContext
@@ -42,9 +44,14 @@ class ModelRunner:
         self.sampling_batch = SamplingBatchBuilder(model_config.eos_token_ids, model_config.vocab_size, device)
         self.model: torch.nn.Module | None = None
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps, once the cache exists
+        self.lora_manager: WorkerLoRAManager | None = None  # with enable_lora: the adapters this rank holds
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.parallel, self.backend, self.device, self.engine_config)
+        config = self.engine_config
+        if config.enable_lora:
+            capacity = max(config.max_loras, config.max_cpu_loras or 0)
+            self.lora_manager = WorkerLoRAManager(self.model, config.max_lora_rank, capacity, self.model_config.dtype, self.device)
 
     @property
     def hidden_size(self) -> int:
@@ -84,15 +91,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.input_batch.update(scheduler_output)
+        if self.lora_manager is not None:
+            self._load_adapters(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         inputs = self.input_batch.prepare(scheduler_output)
         if self.step_threads is not None:
             self.step_threads.set_for(inputs.num_tokens)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(inputs.meta):
+        if self.cuda_graphs is not None and inputs.lora_groups is None and self.cuda_graphs.can_run(inputs.meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
+            with lora_context(inputs.lora_groups):
+                hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
         if hidden is None or not inputs.sampled_states:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         # When every token samples (all decodes) its rows are the hidden states, in order.
@@ -104,6 +114,13 @@ class ModelRunner:
         if scheduler_output.grammar_bitmask is not None:
             batch = with_grammar(batch, scheduler_output, inputs.sampled_states, self.device)
         return _to_runner_output(inputs.sampled_states, self.sampler(logits, batch))
+
+    def _load_adapters(self, scheduler_output: SchedulerOutput) -> None:
+        """The adapters of the step's new requests, resident before the forward pass."""
+        new = [r.lora_request for r in scheduler_output.scheduled_new_reqs if r.lora_request is not None]
+        if new:
+            in_use = {int(i) for i in self.input_batch.lora_ids[list(self.input_batch.row_of.values())] if i}
+            self.lora_manager.ensure(new, in_use)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:
         """This stage's part of the forward pass; None on every stage but the last."""

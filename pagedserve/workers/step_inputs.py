@@ -4,6 +4,7 @@ input_batch.py builds them; tests/workers/step_inputs_reference.py builds the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to compute logits for
     sampled_states: list[CachedRequestState]  # parallel to logits_indices
+    lora_groups: Any = None  # workers/lora/context.LoRAGroups: the adapters' token rows, if any
 
     @property
     def num_tokens(self) -> int:

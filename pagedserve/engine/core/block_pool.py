@@ -29,26 +29,29 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, lora_int_id: int = 0
 ) -> list[BlockHash]:
     """Extend `hashes` (the chain of the leading full blocks of `token_ids`, maybe empty) over
     every further full block, and return it. The engine names its cached blocks with this chain
     and the prefix-aware router computes it from a prompt's token ids, so equal chains mean
     blocks that can be in the cache. A `cache_salt` (a tenant's) is the first block's parent, so
     the whole chain differs per salt: one tenant's prompts never hit another's blocks, and the
-    time to first token reveals nothing of what another tenant sent."""
+    time to first token reveals nothing of what another tenant sent. An adapter (`lora_int_id`)
+    joins the salt there: the same prompt under two adapters (or one and the base model) has
+    other K/V, and never shares a block."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         start = len(hashes) * block_size
-        parent = hashes[-1] if hashes else salt_root(cache_salt)
+        parent = hashes[-1] if hashes else salt_root(cache_salt, lora_int_id)
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
     return hashes
 
 
-def salt_root(cache_salt: str | None) -> BlockHash | None:
-    """The first block's parent for a salt (None: unsalted, the parent is empty)."""
-    if cache_salt is None:
+def salt_root(cache_salt: str | None, lora_int_id: int = 0) -> BlockHash | None:
+    """The first block's parent for a salt and an adapter (None: neither, the parent is empty)."""
+    if cache_salt is None and not lora_int_id:
         return None
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+    root = b"" if cache_salt is None else b"cache_salt\0" + cache_salt.encode()
+    return hashlib.sha256(root + (b"\0lora\0%d" % lora_int_id if lora_int_id else b"")).digest()
 
 
 def routing_key(block_hash: BlockHash) -> int:

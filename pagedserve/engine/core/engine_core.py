@@ -69,6 +69,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             structured_outputs=self.structured_outputs,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         # Children taken in so far (AddRequest x n, refused ones too): with the scheduler's waiting
@@ -119,6 +120,7 @@ class EngineCore:
                 Request(
                     child.request_id, processed.prompt_token_ids, child.params, self.eos_token_ids,
                     self.model_config.max_model_len, message.arrival_time, resumed, processed.cache_salt,
+                    processed.lora_request,
                 )
                 for child in fan_out(message.request_id, params)
             ]

@@ -102,4 +102,4 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes over every full block of its known tokens."""
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, request.lora_int_id)

@@ -11,6 +11,7 @@ import enum
 import time
 
 from pagedserve.engine.engine_core_output import FinishReason
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,7 @@ class Request:
         arrival_time: float | None = None,
         resumed_output_token_ids: list[int] = (),
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         """`resumed_output_token_ids`: outputs another replica generated before it handed the
         request over; they count as outputs (max_tokens, penalties, seeds), and the prefill
@@ -89,6 +91,8 @@ class Request:
         # The tenant's salt, mixed into the first block's hash: prefix-cache hits stay within a
         # tenant (None: shared with every unsalted request).
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its adapter; 0 below is the base model
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         # Its structured-output grammar and matcher (engine/structured_outputs), or None.
         self.grammar = None
         # Output tokens before the grammar applies (a reasoning model's thinking); None while

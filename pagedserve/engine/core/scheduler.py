@@ -44,12 +44,15 @@ class Scheduler:
         max_num_seqs: int,
         enable_chunked_prefill: bool,
         structured_outputs=None,
+        max_loras: int | None = None,
     ):
-        """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens)."""
+        """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens).
+        `max_loras`: the most distinct adapters the running requests may use (the workers' slots)."""
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running
@@ -147,13 +150,17 @@ class Scheduler:
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
-        skipped: list[Request] = []  # their grammar is still compiling: the others go first
+        skipped: list[Request] = []  # their grammar is still compiling, or their adapter has no slot: the others go first
+        running_loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._is_grammar_ready(request):
                 self.waiting.popleft()
                 if not request.is_finished:  # else its grammar failed: it ended alone
                     skipped.append(request)
+                continue
+            if request.lora_int_id and request.lora_int_id not in running_loras and len(running_loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())  # every adapter slot is taken: it waits, never fails
                 continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
@@ -169,6 +176,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            if request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(self._new_request_data(request))
@@ -181,7 +190,7 @@ class Scheduler:
         if self.num_constrained:
             self._add_grammar_bitmask(output)
             if not total and skipped:  # nothing to run but compiles: wait for one, do not spin
-                self.structured_outputs.wait_for_any([r.grammar for r in skipped], 0.01)
+                self.structured_outputs.wait_for_any([r.grammar for r in skipped if r.grammar is not None], 0.01)
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -293,6 +302,7 @@ class Scheduler:
             sampling_params=request.sampling_params.sampler_params(),
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.workers.layers import cpu_gemm
+from pagedserve.workers.lora.context import current_groups
+from pagedserve.workers.lora.layer_lora import add_lora
 from pagedserve.workers.parallel_state import ParallelContext, divide
 
 
@@ -46,6 +48,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_parameter(self.output_size_per_rank, input_size, loader=self.weight_loader)
         self.bias = new_parameter(self.output_size_per_rank, loader=self.weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.lora_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # lora_int_id -> this rank's (A, B)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.output_size_per_rank
@@ -56,8 +59,16 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return cpu_gemm.linear(x, self.packed_weight, self.bias, self.weight)
-        return F.linear(x, self.weight, self.bias)
+            out = cpu_gemm.linear(x, self.packed_weight, self.bias, self.weight)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return _with_lora(self, x, out)
+
+
+def _with_lora(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` plus the step's adapters' low-rank products, if the step has any for this layer."""
+    groups = current_groups() if layer.lora_weights else None
+    return out if groups is None else add_lora(layer, x, out, groups)
 
 
 def pack_weight(layer: nn.Module) -> bool:
@@ -132,6 +143,7 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter(output_size, self.input_size_per_rank, loader=self.weight_loader)
         self.bias = new_parameter(output_size, loader=default_weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.lora_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # lora_int_id -> this rank's (A, B)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.input_size_per_rank
@@ -143,5 +155,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight) if self.packed_weight is None else cpu_gemm.linear(x, self.packed_weight, None, self.weight)
-        out = self.parallel.all_reduce(partial)
+        out = self.parallel.all_reduce(_with_lora(self, x, partial))  # (the shards' products sum as the base's)
         return out + self.bias if self.bias is not None else out

@@ -1,0 +1,55 @@
+"""One linear layer's adapters on this rank, and the low-rank products added to its output.
+
+A layer holds, per resident adapter, `A` [r_total, in] and `B` [out, r_total] already cut to this
+rank's shard, so that `x A^T B^T` is exactly this rank's share of the adapter's delta:
+- column-parallel layers (q/k/v in the fused qkv, gate/up in the fused gate_up): B's rows are the
+  rank's output rows, placed where the base layer places them, one block of columns per fused
+  projection (B is block-diagonal over them, A their ranks stacked), so one pair of matmuls
+  serves every projection the adapter targets;
+- row-parallel layers (o, down): A's columns are the rank's input columns; the product is added
+  to the rank's partial sum before the all-reduce, which sums the shards as it sums the base's.
+The B rows come from the base layer's own weight loader, so the shards match its split exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of the adapter's `parts` (shard id -> full A [r, in], B [out, r]) on
+    `layer` (shard ids as the base layer's loader takes them: "q"/"k"/"v", 0/1, or None)."""
+    if hasattr(layer, "input_size_per_rank"):  # row-parallel: one part, A's columns split
+        [(a, b)] = parts.values()
+        start = layer.parallel.tp_rank * layer.input_size_per_rank
+        return a[:, start : start + layer.input_size_per_rank].contiguous(), b.contiguous()
+    out_rows = layer.output_size_per_rank
+    ranks = [a.shape[0] for a, _ in parts.values()]
+    big_b = torch.zeros(out_rows, sum(ranks))
+    column = 0
+    for (shard_id, (a, b)), rank in zip(parts.items(), ranks):
+        block = big_b[:, column : column + rank]
+        if shard_id is None:  # a plain column-parallel layer
+            size = layer.output_size_per_rank
+            block.copy_(b[layer.parallel.tp_rank * size : (layer.parallel.tp_rank + 1) * size])
+        else:
+            layer.weight_loader(block, b, shard_id)
+        column += rank
+    return torch.cat([a for a, _ in parts.values()]), big_b
+
+
+def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> torch.Tensor:
+    """`out` plus each adapted row's low-rank product (rows of an adapter this layer has none of
+    stay the base model's)."""
+    adapters = layer.lora_weights
+    for lora_id, rows in groups.groups:
+        weights = adapters.get(lora_id)
+        if weights is None:
+            continue
+        a, b = weights
+        if isinstance(rows, slice):
+            out[rows] += (x[rows] @ a.t()) @ b.t()
+        else:
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+    return out

@@ -1,0 +1,81 @@
+"""An adapter the engine cannot serve exactly is refused where it enters, with an error naming
+the field; nothing is queued. The registry keeps an id bound to one adapter for good."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.config import EngineConfig
+from pagedserve.engine.lora_registry import LoRARegistry
+from pagedserve.workers.lora.peft_adapter import check_adapter
+
+
+def edited(adapter, tmp_path, **changes):
+    """A copy of the adapter folder with its config changed."""
+    folder = tmp_path / "edited"
+    shutil.copytree(adapter, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"r": 64}, "adapter rank r=64 exceeds max_lora_rank=16"),
+    ({"target_modules": ["q_proj", "lm_head"]}, r"target_modules \['lm_head'\] are not served"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias 'all' is not served"),
+    ({"use_dora": True}, "use_dora is not served"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3' is not served"),
+])
+def test_unserved_adapters_are_refused_naming_the_field(lora_adapters, tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        check_adapter(str(edited(lora_adapters["llama"]["all8"], tmp_path, **changes)), max_lora_rank=16)
+
+
+def test_missing_files_are_refused(lora_adapters, tmp_path):
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        check_adapter(str(tmp_path), 16)
+    folder = edited(lora_adapters["llama"]["all8"], tmp_path)
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no adapter_model.safetensors"):
+        check_adapter(str(folder), 16)
+
+
+def test_the_registry_binds_an_id_to_one_adapter(lora_adapters, model_dirs):
+    registry = LoRARegistry(EngineConfig(model=str(model_dirs["llama"]), enable_lora=True))
+    first = LoRARequest("a", 1, str(lora_adapters["llama"]["all8"]))
+    assert registry.add(first) and not registry.add(first) and registry.list() == {1}
+    with pytest.raises(ValueError, match="lora_int_id 1 is already adapter 'a'"):
+        registry.check(LoRARequest("b", 1, str(lora_adapters["llama"]["qv4"])))
+    assert registry.remove(1) and not registry.remove(1) and registry.list() == set()
+    with pytest.raises(ValueError, match="never reused for another adapter"):
+        registry.check(LoRARequest("b", 1, str(lora_adapters["llama"]["qv4"])))
+    assert registry.check(first) is first  # the same adapter may come back
+
+
+def test_bad_lora_requests_queue_nothing(model_dirs, lora_adapters):
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("a", 0, "x")
+    with pytest.raises(ValueError, match="enable_lora runs the model eagerly"):
+        EngineConfig(model="x", enable_lora=True, enforce_eager=False)
+    adapter = LoRARequest("all8", 1, str(lora_adapters["llama"]["all8"]))
+    plain = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=64)
+    try:
+        with pytest.raises(ValueError, match="needs an engine started with enable_lora=True"):
+            plain.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=adapter)
+        assert not plain.llm_engine.has_unfinished_requests()
+    finally:
+        plain.shutdown()
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=64, enable_lora=True, max_lora_rank=4)
+    try:
+        with pytest.raises(ValueError, match="r=8 exceeds max_lora_rank=4"):
+            llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=[None, adapter])
+        with pytest.raises(ValueError, match="got 2 prompts but 1 lora requests"):
+            llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=[None])
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
