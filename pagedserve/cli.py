@@ -43,7 +43,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
     parser.add_argument("--config", help="a YAML file of server settings (see configs/local.yaml)")
     add_model_arguments(parser, ServerConfig, skip=("engine", "deployment"), title="server")
-    add_model_arguments(parser, EngineConfig, skip=("model",), title="engine (YAML: under engine:)")
+    # The settings the server holds and hands the engine (reasoning_parser, generation_config)
+    # are its flags, once.
+    shared = tuple(name for name in EngineConfig.model_fields if name in ServerConfig.model_fields)
+    add_model_arguments(parser, EngineConfig, skip=("model", *shared), title="engine (YAML: under engine:)")
     add_model_arguments(parser, DeploymentConfig, title="deployment (YAML: under deployment:)")
     parser.set_defaults(run=_run_serve)
 

@@ -29,3 +29,15 @@ def test_serve_on_a_public_host_without_a_key_refuses_before_anything_starts(cap
     monkeypatch.setattr(launcher, "serve_forever", lambda config: started.append(config) or 0)
     assert main(["serve", "--host", "0.0.0.0", "--allow-unauthenticated"]) == 0
     assert started[0].host == "0.0.0.0" and started[0].allow_unauthenticated
+
+
+def test_settings_the_server_hands_the_engine_are_one_flag_each(monkeypatch):
+    """reasoning_parser and generation_config are both server and engine settings: one flag each
+    (two once crashed `serve` at start), which sets both."""
+    import pagedserve.cluster.launcher as launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "serve_forever", lambda config: started.append(config) or 0)
+    assert main(["serve", "--reasoning-parser", "qwen3", "--generation-config", "vllm"]) == 0
+    engine = started[0].engine_config()
+    assert (started[0].reasoning_parser, engine.reasoning_parser, engine.generation_config) == ("qwen3", "qwen3", "vllm")
