@@ -26,6 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel],
         help_text = ((field.description or "") + f" (default: {field.default!r})").replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(field.annotation) is list:  # --lora-modules a=PATH b=PATH
+            group.add_argument(flag, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text)
         else:
             group.add_argument(flag, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS, help=help_text)
 

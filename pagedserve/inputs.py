@@ -38,6 +38,14 @@ class ChatPrompt(TypedDict):
 
 # A tenant's salt is mixed into its first block's hash, so tenants never share prefix-cache blocks.
 MAX_CACHE_SALT_CHARS = 1024
+# What travels with a prompt from the server's ingress to an engine replica besides the prompt
+# itself: the tenant's salt, and the adapter a request's `model` named (a LoRARequest, which the
+# replica takes out and hands the engine). A prompt that is tokenized or handed over keeps them.
+PROMPT_EXTRAS = ("cache_salt", "lora_request")
+
+
+def prompt_extras(prompt: object) -> dict[str, Any]:
+    return {key: prompt[key] for key in PROMPT_EXTRAS if key in prompt} if isinstance(prompt, dict) else {}
 
 PromptType = Union[str, TextPrompt, TokensPrompt]  # what the engine takes (LLM, AsyncLLM)
 ServerPrompt = Union[PromptType, ChatPrompt]  # what an LLMServer replica takes

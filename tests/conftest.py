@@ -99,3 +99,16 @@ def ray_cluster():
         ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False, namespace="pagedserve-tests")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster) -> str:
+    """One Serve instance for the session (the cluster's and the LoRA tests' apps share it)."""
+    from ray import serve
+
+    from tests.cluster.conftest import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -88,8 +88,10 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
     digest = key_digest(api_key) if api_key else None
     options = {config.model_name: serving_options(config)}
+    adapters = {adapter.lora_name: (config.model_name, adapter) for adapter in config.lora_requests()}
     return ingress.bind(
-        {config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key
+        {config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key,
+        adapters,
     )
 
 

@@ -46,7 +46,7 @@ from pagedserve.cluster.stream_progress import StreamProgress
 from pagedserve.engine.fan_out import child_params
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
-from pagedserve.inputs import ServerPrompt, TokensPrompt, tokens_prompt
+from pagedserve.inputs import ServerPrompt, TokensPrompt, prompt_extras, tokens_prompt
 from pagedserve.request_ids import choice_request_id, handover_request_id
 from pagedserve.sampling_params import SamplingParams
 
@@ -66,12 +66,11 @@ AttemptItem = Union[StreamItem, Moved]  # what one attempt (one engine request) 
 
 
 def _resumed_prompt(prompt: ServerPrompt, prompt_token_ids: list[int]) -> TokensPrompt:
-    """A resumed request's prompt: its token ids, and its tenant's prefix-cache salt (without it,
-    the new replica would cache the tenant's blocks where every unsalted prompt can hit them)."""
+    """A resumed request's prompt: its token ids, its tenant's prefix-cache salt (without it, the
+    new replica would cache the tenant's blocks where every unsalted prompt can hit them) and its
+    adapter (the new replica loads it)."""
     resumed = tokens_prompt(prompt_token_ids)
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None:
-        resumed["cache_salt"] = salt
+    resumed.update(prompt_extras(prompt))
     return resumed
 
 

@@ -30,6 +30,7 @@ from pagedserve.cluster.request_gate import OPEN_PATHS, RequestGate
 from pagedserve.cluster.serve_engine_client import ServeEngineClient
 from pagedserve.cluster.server_config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedserve.cluster.stream_items import ErrorInfo
+from pagedserve.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,14 @@ class OpenAIIngress:
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
         options: dict[str, ServingOptions] | None = None,
         metrics_require_api_key: bool = False,
+        adapters: dict[str, tuple[str, LoRARequest]] | None = None,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
         PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well.
         `options`: each served model's OpenAI front-end settings (tool and reasoning parsers).
-        `metrics_require_api_key`: /metrics needs the key too."""
+        `metrics_require_api_key`: /metrics needs the key too. `adapters`: LoRA adapters served
+        by name -> (the served model they adapt, the adapter)."""
         limits, options = limits or {}, options or {}
         self.servers = servers  # served model name -> LLMServer handle
         self.servings = {}
@@ -126,6 +129,13 @@ class OpenAIIngress:
             defaults = _generation_defaults(handle, served.generation_config)
             self.servings[name] = OpenAIServing(
                 name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
+            )
+        self.adapters = adapters or {}
+        for name, (base, lora_request) in self.adapters.items():  # the base's front end, with the adapter
+            base_serving = self.servings[base]
+            self.servings[name] = OpenAIServing(
+                name, ServeEngineClient(self.servers[base]), base_serving.limits, base_serving.renderer, base_serving.options,
+                base_serving.defaults, lora_request,
             )
         self.metrics_hub = metrics_hub
         own_key = os.environ.get("PAGEDSERVE_API_KEY")
@@ -149,6 +159,10 @@ class OpenAIIngress:
         cards = await asyncio.gather(*(handle.model_card.remote() for handle in self.servers.values()))
         created = int(time.time())
         data = [{"object": "model", "created": created, "owned_by": "pagedserve", **card} for card in cards]
+        data += [  # vLLM's shape: an adapter's root is its folder, its parent the model it adapts
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedserve", "root": lora.lora_path, "parent": base}
+            for name, (base, lora) in self.adapters.items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/tokenize", responses=_BODY_ROUTE_RESPONSES)
@@ -226,4 +240,4 @@ class OpenAIIngress:
         if model is None:
             return next(iter(self.servers.values()))
         self._serving(model)
-        return self.servers[model]
+        return self.servers[self.adapters[model][0] if model in self.adapters else model]

@@ -32,6 +32,7 @@ from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.engine.tokenizer import TextLimit
 from pagedserve.inputs import ServerPrompt, is_chat_prompt, is_tokens_prompt, tokens_prompt
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class LLMServer:
         if worker_bundle_indices:
             placement = WorkerPlacement(ray.util.get_current_placement_group(), tuple(worker_bundle_indices))
         self.llm = AsyncLLM(engine_config, placement)
+        for adapter in config.lora_requests():  # checked at start: a bad folder fails the replica, naming it
+            self.llm.engine.add_lora(adapter)
         self.max_model_len = self.llm.engine.model_config.max_model_len
         # Every use of the engine's tokenizer here goes through this thread: never on the loop.
         self.tokenizer = TokenizerThread(self.llm.tokenizer, TextLimit.of(self.llm.tokenizer, self.max_model_len))
@@ -79,8 +82,9 @@ class LLMServer:
             yield self.drain.handover
             return
         try:
+            prompt, lora_request = _without_adapter(prompt)
             prompt = await self._tokenized(prompt)
-            outputs = self.llm.generate(prompt, params, request_id, resume)
+            outputs = self.llm.generate(prompt, params, request_id, resume, lora_request)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
             try:
@@ -206,3 +210,14 @@ class LLMServer:
         if stopped is not None:
             stopped.set()
             self.llm.shutdown()
+
+
+def _without_adapter(prompt: ServerPrompt) -> tuple[ServerPrompt, LoRARequest | None]:
+    """The prompt the engine takes, and the adapter the ingress put beside it (inputs.py)."""
+    if not isinstance(prompt, dict) or "lora_request" not in prompt:
+        return prompt, None
+    rest = dict(prompt)
+    lora_request = rest.pop("lora_request")
+    if lora_request is not None and not isinstance(lora_request, LoRARequest):
+        raise ValueError("lora_request must be a LoRARequest")
+    return rest, lora_request

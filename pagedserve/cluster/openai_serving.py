@@ -28,6 +28,7 @@ from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, FinishRea
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import CompletionOutput, RequestOutput
 from pagedserve.inputs import ChatPrompt, ServerPrompt, is_chat_prompt
+from pagedserve.lora_request import LoRARequest
 from pagedserve.request_ids import new_response_id, prompt_request_id
 from pagedserve.sampling_params import SamplingParamError, SamplingParams
 
@@ -93,11 +94,14 @@ class OpenAIServing:
         renderer: PromptRenderer | None = None,
         options: ServingOptions = ServingOptions(),
         defaults: GenerationDefaults | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         """`renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
         the request router sees tokens); None: the engine tokenizes. `options`: the server's
-        tool-call and reasoning parsers; `defaults`: the model's sampling defaults."""
+        tool-call and reasoning parsers; `defaults`: the model's sampling defaults.
+        `lora_request`: the adapter `model_name` names (it travels with each prompt)."""
         self.model_name = model_name
+        self.lora_request = lora_request
         # Streams whose replica leaves (a downscale, a redeploy, a drain) go on on another.
         self.client = ResumingClient(client)
         self.limits = limits
@@ -175,7 +179,7 @@ class OpenAIServing:
             except ValueError as error:
                 param = "messages" if any(is_chat_prompt(p) for p in prompts) else "prompt"
                 raise APIError(400, str(error), param=param) from None
-        prompts = [_salted(prompt, cache_salt) for prompt in prompts]
+        prompts = [_with_adapter(_salted(prompt, cache_salt), self.lora_request) for prompt in prompts]
         streams = [self.client.generate(prompt_request_id(response_id, i), prompt, params) for i, prompt in enumerate(prompts)]
         try:
             firsts = await asyncio.gather(*(anext(stream) for stream in streams))
@@ -263,6 +267,13 @@ def _salted(prompt: Any, cache_salt: str | None) -> Any:
     if cache_salt is None:
         return prompt
     return {"prompt": prompt, "cache_salt": cache_salt} if isinstance(prompt, str) else {**prompt, "cache_salt": cache_salt}
+
+
+def _with_adapter(prompt: Any, lora_request: LoRARequest | None) -> Any:
+    """The prompt with the adapter its request's model names, for the replica to take out."""
+    if lora_request is None:
+        return prompt
+    return {"prompt": prompt, "lora_request": lora_request} if isinstance(prompt, str) else {**prompt, "lora_request": lora_request}
 
 
 def _sampling_params(

@@ -37,6 +37,7 @@ from pagedserve.cluster.handover_router import HandoverMixin
 from pagedserve.cluster.ray_internals import PowerOfTwoChoicesRequestRouter
 from pagedserve.cluster.routing_stats import RoutingStats
 from pagedserve.engine.core.block_pool import extend_block_hashes, routing_key
+from pagedserve.lora_request import LoRARequest
 from pagedserve.inputs import is_tokens_prompt
 
 # What a table remembers of a replica before its first report names the cache's size.
@@ -205,7 +206,9 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
             # The engine's chain, salted as the engine salts it: a tenant's prompt finds only the
             # blocks of its own tenant.
             salt = prompt.get("cache_salt") if isinstance(prompt.get("cache_salt"), str) else None
-            keys = [routing_key(h) for h in extend_block_hashes([], prompt["prompt_token_ids"], self.block_size, salt)]
+            lora = prompt.get("lora_request")
+            lora_id = lora.lora_int_id if isinstance(lora, LoRARequest) else 0  # the engine salts with it too
+            keys = [routing_key(h) for h in extend_block_hashes([], prompt["prompt_token_ids"], self.block_size, salt, lora_id)]
             self._chains[request_id] = keys
             while len(self._chains) > MAX_CACHED_CHAINS:
                 self._chains.popitem(last=False)

@@ -5,6 +5,7 @@ knobs are `EngineConfig` (pagedserve/config.py), under `engine:`.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedserve.config import DEMO_MODEL, MODEL_HELP, EngineConfig, describe_validation_error
+from pagedserve.lora_request import LoRARequest
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
 
@@ -140,6 +142,20 @@ class DeploymentConfig(BaseModel):
         return {"num_replicas": self.num_replicas}
 
 
+def parse_lora_module(text: str, lora_int_id: int) -> LoRARequest:
+    """One --lora-modules entry: 'name=path', or vLLM's JSON {"name", "path", "base_model_name"}."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+            return LoRARequest(entry["name"], lora_int_id, entry["path"], entry.get("base_model_name"))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"lora_modules entry {text[:80]!r}: a JSON entry needs 'name' and 'path' ({error})") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules entry {text[:80]!r} must be 'name=path' or a JSON object")
+    return LoRARequest(name, lora_int_id, path)
+
+
 class ServerConfig(BaseModel):
     """`pagedserve serve`: the YAML file's keys and the command's flags. Engine arguments go
     under `engine:` (flags keep their names: --max-model-len sets engine.max_model_len)."""
@@ -195,6 +211,12 @@ class ServerConfig(BaseModel):
         description="Sampling defaults for fields a request omits: 'auto' (the model folder's generation_config.json), "
         "'vllm' (none: temperature 1.0) or a folder holding a generation_config.json.",
     )
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters served by name, as vllm serve's --lora-modules: 'name=path' or a JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request whose model is the name runs that adapter. '
+        "Needs engine enable_lora (--enable-lora).",
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
 
@@ -205,7 +227,18 @@ class ServerConfig(BaseModel):
         self.engine_config()  # raises, naming the bad key
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json, mistral or json)")
+        self.lora_requests()  # raises, naming the bad entry
         return self
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The served adapters, ids 1, 2, ... in the order given (the same on every replica)."""
+        if self.lora_modules and not self.engine_config().enable_lora:
+            raise ValueError("lora_modules needs the engine's enable_lora (--enable-lora; YAML: engine: {enable_lora: true})")
+        adapters = [parse_lora_module(text, i + 1) for i, text in enumerate(self.lora_modules)]
+        names = [adapter.lora_name for adapter in adapters]
+        if len(set(names)) != len(names) or self.model_name in names:
+            raise ValueError(f"lora_modules names must be unique and differ from the served model's name {self.model_name!r}: {names}")
+        return adapters
 
     @model_validator(mode="after")
     def _exposed_host_needs_a_key(self) -> ServerConfig:

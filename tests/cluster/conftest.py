@@ -7,23 +7,12 @@ import socket
 import time
 
 import requests
-import pytest
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def serve_url(ray_cluster) -> str:
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
 
 
 def deploy(config, name: str, route_prefix: str) -> None:

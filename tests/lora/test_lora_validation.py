@@ -79,3 +79,32 @@ def test_bad_lora_requests_queue_nothing(model_dirs, lora_adapters):
         assert not llm.llm_engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+
+
+def test_the_server_flags_as_vllm_spells_them(monkeypatch):
+    """`pagedserve serve --enable-lora --lora-modules name=path {json} --max-loras N
+    --max-lora-rank R`; ids follow the order given."""
+    import pagedserve.cluster.launcher as launcher
+    from pagedserve.cli import main
+
+    started = []
+    monkeypatch.setattr(launcher, "serve_forever", lambda config: started.append(config) or 0)
+    assert main(["serve", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                 "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "m"}']) == 0
+    config = started[0]
+    assert config.engine == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    assert config.lora_requests() == [LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat", "m")]
+
+
+@pytest.mark.parametrize("modules, engine, message", [
+    (["sql=/a"], {}, "lora_modules needs the engine's enable_lora"),
+    (["sql"], {"enable_lora": True}, "must be 'name=path' or a JSON object"),
+    (['{"name": "x"}'], {"enable_lora": True}, "a JSON entry needs 'name' and 'path'"),
+    (["a=/x", "a=/y"], {"enable_lora": True}, "names must be unique"),
+    (["base=/x"], {"enable_lora": True}, "differ from the served model's name 'base'"),
+])
+def test_bad_server_adapters_are_refused_before_anything_starts(modules, engine, message):
+    from pagedserve.cluster.server_config import ServerConfig
+
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(model="m", served_model_name="base", lora_modules=modules, engine=engine)
