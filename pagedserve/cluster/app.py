@@ -91,7 +91,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     adapters = {adapter.lora_name: (config.model_name, adapter) for adapter in config.lora_requests()}
     return ingress.bind(
         {config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key,
-        adapters,
+        adapters, config.lora_dirs,
     )
 
 

@@ -22,6 +22,7 @@ from ray import serve
 from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.http_errors import add_error_handlers
+from pagedserve.cluster.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, allowed_adapter_path
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.serving_options import ServingOptions
@@ -114,13 +115,15 @@ class OpenAIIngress:
         options: dict[str, ServingOptions] | None = None,
         metrics_require_api_key: bool = False,
         adapters: dict[str, tuple[str, LoRARequest]] | None = None,
+        lora_dirs: list[str] | None = None,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
         PAGEDSERVE_API_KEY (how the Helm chart delivers it) is accepted as well.
         `options`: each served model's OpenAI front-end settings (tool and reasoning parsers).
         `metrics_require_api_key`: /metrics needs the key too. `adapters`: LoRA adapters served
-        by name -> (the served model they adapt, the adapter)."""
+        by name -> (the served model they adapt, the adapter); `lora_dirs`: where
+        /v1/load_lora_adapter may load more from (lora_adapters.py)."""
         limits, options = limits or {}, options or {}
         self.servers = servers  # served model name -> LLMServer handle
         self.servings = {}
@@ -130,13 +133,11 @@ class OpenAIIngress:
             self.servings[name] = OpenAIServing(
                 name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
             )
-        self.adapters = adapters or {}
-        for name, (base, lora_request) in self.adapters.items():  # the base's front end, with the adapter
-            base_serving = self.servings[base]
-            self.servings[name] = OpenAIServing(
-                name, ServeEngineClient(self.servers[base]), base_serving.limits, base_serving.renderer, base_serving.options,
-                base_serving.defaults, lora_request,
-            )
+        self.adapters: dict[str, tuple[str, LoRARequest]] = {}
+        self.lora_dirs = list(lora_dirs or [])
+        self.next_lora_id = 1 + max((lora.lora_int_id for _, lora in (adapters or {}).values()), default=0)
+        for name, (base, lora_request) in (adapters or {}).items():
+            self._add_adapter(name, base, lora_request)
         self.metrics_hub = metrics_hub
         own_key = os.environ.get("PAGEDSERVE_API_KEY")
         digests = [api_key_sha256, key_digest(own_key) if own_key else None]
@@ -164,6 +165,30 @@ class OpenAIIngress:
             for name, (base, lora) in self.adapters.items()
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter", responses=_BODY_ROUTE_RESPONSES)
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        if body.lora_name in self.servings:
+            raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
+        try:
+            path = allowed_adapter_path(body.lora_path, self.lora_dirs)
+        except ValueError as error:
+            raise APIError(400, str(error), param="lora_path") from None
+        base = next(iter(self.servers))
+        lora_request = LoRARequest(body.lora_name, self.next_lora_id, path)
+        self.next_lora_id += 1  # never reused: replicas may still hold an old adapter's weights under its id
+        _unwrap(await self.servers[base].check_lora.remote(lora_request))
+        if body.lora_name in self.servings:  # loaded meanwhile by a concurrent call
+            raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
+        self._add_adapter(body.lora_name, base, lora_request)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=_BODY_ROUTE_RESPONSES)
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        if self.adapters.pop(body.lora_name, None) is None:
+            raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", "NotFoundError", "lora_name")
+        del self.servings[body.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", responses=_BODY_ROUTE_RESPONSES)
     async def tokenize(self, body: TokenizeRequest) -> Response:
@@ -229,6 +254,15 @@ class OpenAIIngress:
         `cache_salt` wins): each key's prompts hit only its own cached blocks, so the time to
         first token tells no tenant what another sent. Derived apart from the key's digest."""
         return api_key_salt(request.headers.get("authorization", "")) if self.key_digests else None
+
+    def _add_adapter(self, name: str, base: str, lora_request: LoRARequest) -> None:
+        """Serve `name`: the base model's front end, with the adapter beside each prompt."""
+        base_serving = self.servings[base]
+        self.servings[name] = OpenAIServing(
+            name, ServeEngineClient(self.servers[base]), base_serving.limits, base_serving.renderer, base_serving.options,
+            base_serving.defaults, lora_request,
+        )
+        self.adapters[name] = (base, lora_request)
 
     def _serving(self, model: str) -> OpenAIServing:
         serving = self.servings.get(model)

@@ -154,6 +154,14 @@ class LLMServer:
         # Ids past the tokenizer (embedding padding) decode to nothing, as in generation.
         return await self.tokenizer.decode([t for t in tokens if t < self.tokenizer_size])
 
+    async def check_lora(self, lora_request: LoRARequest) -> ErrorInfo | None:
+        """Check an adapter's folder as the engine will read it (the ingress loads adapters)."""
+        try:
+            await asyncio.to_thread(self.llm.engine.add_lora, lora_request)
+        except ValueError as error:
+            return ErrorInfo(400, str(error), param="lora_path")
+        return None
+
     async def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "max_model_len": self.max_model_len}
 
@@ -166,7 +174,7 @@ class LLMServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook (every deployment.routing_stats_period_s): engine load and
         the KV cache's evictions since the last report, for the prefix-aware router."""
-        return self.routing_stats.report(self.llm.stats(), self.drain.is_draining).to_dict()
+        return self.routing_stats.report(self.llm.stats(), self.drain.is_draining, self.llm.engine.list_loras()).to_dict()
 
     async def is_healthy(self) -> bool:
         return self.llm.is_healthy

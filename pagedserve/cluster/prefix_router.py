@@ -134,7 +134,7 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
         # A full queue at every replica must back off and retry, not spin (Serve's locality
         # routing sets this on the power-of-two path).
         pending_request.routing_context.should_backoff = True
-        chosen = self.choose(candidate_replicas, keys)
+        chosen = self.choose(candidate_replicas, keys, _lora_id(pending_request.args[1]))
         others = [replica for replica in candidate_replicas if replica not in chosen]
         return [chosen, others] if others else [chosen]
 
@@ -172,12 +172,16 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
 
     # ---- the choice --------------------------------------------------------------------------
 
-    def choose(self, candidates: list[RunningReplica], keys: list[int]) -> list[RunningReplica]:
+    def choose(self, candidates: list[RunningReplica], keys: list[int], lora_id: int = 0) -> list[RunningReplica]:
         """The first rank for a prompt whose full blocks have these routing keys: the replica
         holding its prefix, or else the least-loaded ones (requests, ignoring the KV-usage
-        fraction), among which Serve takes the one with the fewest requests in flight."""
+        fraction), among which Serve takes the one with the fewest requests in flight. A
+        request under an adapter chooses among the replicas that have it loaded, unless they
+        are busier than the others by more than the imbalance threshold."""
         tables = [self.tables.setdefault(replica.replica_id, ReplicaPrefixTable()) for replica in candidates]
         loads = [table.load(self._num_in_flight(replica)) for replica, table in zip(candidates, tables)]
+        if lora_id:
+            candidates, tables, loads = _holders_of(lora_id, candidates, tables, loads, self.imbalanced_threshold)
         lowest = min(loads)
         if keys:
             matched = [table.num_matched(keys) for table in tables]
@@ -206,13 +210,28 @@ class PrefixRouting(LocalityMixin, MultiplexMixin, RequestRouter):
             # The engine's chain, salted as the engine salts it: a tenant's prompt finds only the
             # blocks of its own tenant.
             salt = prompt.get("cache_salt") if isinstance(prompt.get("cache_salt"), str) else None
-            lora = prompt.get("lora_request")
-            lora_id = lora.lora_int_id if isinstance(lora, LoRARequest) else 0  # the engine salts with it too
+            lora_id = _lora_id(prompt)  # the engine salts with it too
             keys = [routing_key(h) for h in extend_block_hashes([], prompt["prompt_token_ids"], self.block_size, salt, lora_id)]
             self._chains[request_id] = keys
             while len(self._chains) > MAX_CACHED_CHAINS:
                 self._chains.popitem(last=False)
         return keys
+
+
+def _lora_id(prompt: Any) -> int:
+    """The lora_int_id of the adapter the ingress put beside a prompt (0: the base model)."""
+    lora = prompt.get("lora_request") if isinstance(prompt, dict) else None
+    return lora.lora_int_id if isinstance(lora, LoRARequest) else 0
+
+
+def _holders_of(lora_id: int, candidates: list, tables: list, loads: list, imbalanced_threshold: float) -> tuple[list, list, list]:
+    """The candidates (with their tables and loads) whose engines report the adapter loaded, when
+    any does and the least busy of them is within the imbalance threshold of the least busy of
+    all; else all of them (loading it elsewhere beats queueing)."""
+    held = [i for i, table in enumerate(tables) if table.stats is not None and lora_id in table.stats.lora_ids]
+    if not held or min(loads[i] for i in held) - min(loads) > imbalanced_threshold:
+        return candidates, tables, loads
+    return [candidates[i] for i in held], [tables[i] for i in held], [loads[i] for i in held]
 
 
 class PrefixAwareRouter(HandoverMixin, PrefixRouting):

@@ -36,6 +36,8 @@ class RoutingStats:
     evicted_routing_keys: list[int] = field(default_factory=list)
     # The replica drains (it was sent SIGTERM): routers never pick it (cluster/replica_drain.py).
     is_draining: bool = False
+    # The LoRA adapters (lora_int_id) its engine has loaded: a request under one prefers it.
+    lora_ids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,14 +62,14 @@ class RoutingStatsReporter:
         self.pool = pool
         self.last: RoutingStats | None = None
 
-    def report(self, stats: EngineStats, is_draining: bool = False) -> RoutingStats:
+    def report(self, stats: EngineStats, is_draining: bool = False, lora_ids: list[int] = ()) -> RoutingStats:
         """The next report; the previous one again when nothing changed (an idle replica then
         costs Serve no broadcast to every router)."""
         log = self.pool.evicted_routing_keys if self.pool is not None else ()
         keys = []
         while log and len(keys) < MAX_REPORTED_EVICTIONS:
             keys.append(log.popleft())
-        report = self._new_report(stats, keys, is_draining)
+        report = dataclasses.replace(self._new_report(stats, keys, is_draining), lora_ids=sorted(lora_ids))
         if self.last is not None and not keys and dataclasses.replace(report, report_index=self.last.report_index) == self.last:
             return self.last
         self.last = report

@@ -217,6 +217,11 @@ class ServerConfig(BaseModel):
         '{"name": ..., "path": ..., "base_model_name": ...}; a request whose model is the name runs that adapter. '
         "Needs engine enable_lora (--enable-lora).",
     )
+    lora_dirs: list[str] = Field(
+        default_factory=list,
+        description="Folders POST /v1/load_lora_adapter may load adapters from (the path, symlinks followed, must lie "
+        "inside one); empty: adapters are only the lora_modules. Needs engine enable_lora.",
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields other than model.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
 
@@ -232,8 +237,8 @@ class ServerConfig(BaseModel):
 
     def lora_requests(self) -> list[LoRARequest]:
         """The served adapters, ids 1, 2, ... in the order given (the same on every replica)."""
-        if self.lora_modules and not self.engine_config().enable_lora:
-            raise ValueError("lora_modules needs the engine's enable_lora (--enable-lora; YAML: engine: {enable_lora: true})")
+        if (self.lora_modules or self.lora_dirs) and not self.engine_config().enable_lora:
+            raise ValueError("lora_modules and lora_dirs need the engine's enable_lora (--enable-lora; YAML: engine: {enable_lora: true})")
         adapters = [parse_lora_module(text, i + 1) for i, text in enumerate(self.lora_modules)]
         names = [adapter.lora_name for adapter in adapters]
         if len(set(names)) != len(names) or self.model_name in names:

@@ -284,3 +284,41 @@ def test_a_tenant_does_not_follow_another_tenants_prefix(make_router):
     refresh(router, replicas, make_router.loop)
     assert route_salted("tenant-a", [2] * 8) is first  # the same tenant follows its prefix
     assert route_salted("tenant-b", [3] * 8) is not first  # another tenant goes to the least loaded
+
+
+def test_a_request_under_an_adapter_prefers_replicas_that_have_it(make_router):
+    """Replicas report their engines' adapters; a request under one goes to a replica holding
+    it (its hashes salted with the adapter's id), unless those are too busy."""
+    from pagedserve.lora_request import LoRARequest
+
+    def with_adapters(index: int, lora_ids: list[int], running: int = 0) -> dict:
+        return {**stats(index, running=running), "lora_ids": lora_ids}
+
+    replicas = [FakeReplica("lora-test-1", with_adapters(1, [])), FakeReplica("lora-test-2", with_adapters(1, [7]))]
+    router = make_router(replicas, imbalanced_threshold=2)
+    requests = []
+
+    def route_under(lora_id: int, tokens: list[int]) -> FakeReplica:
+        request = pending(tokens)
+        requests.append(request)
+        request.args[1]["lora_request"] = LoRARequest("sql", lora_id, "/adapters/sql")
+        chosen = make_router.loop.run_until_complete(router.choose_replicas(replicas, request))[0][0]
+        router.on_request_routed(request, chosen.replica_id, None)
+        router.on_request_completed(chosen.replica_id, request.metadata.internal_request_id)
+        return chosen
+
+    assert all(route_under(7, list(range(i, i + 16))) is replicas[1] for i in range(5))
+    assert {route_under(8, list(range(i, i + 16))).replica_id.unique_id for i in range(40)} == {"lora-test-1", "lora-test-2"}
+    replicas[1].routing_stats = with_adapters(2, [7], running=3)  # 3 - 0 > 2: the holder is too busy
+    refresh(router, replicas, make_router.loop)
+    assert route_under(7, list(range(200, 216))) is replicas[0]
+    # The adapter salts the chain, as the engine's: no key in common with the same tokens unsalted.
+    request = pending(list(range(16)))
+    requests.append(request)
+    request.args[1]["lora_request"] = LoRARequest("sql", 7, "/adapters/sql")
+    assert not set(router._routing_keys(request)) & set(keys_of(list(range(16))))
+
+
+def test_the_replica_reports_its_adapters():
+    reporter = RoutingStatsReporter(None)
+    assert reporter.report(EngineStats(), lora_ids={3, 1}).lora_ids == [1, 3]

@@ -6,8 +6,11 @@ because its engine has LoRA enabled."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
+import requests
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.server_config import ServerConfig
@@ -20,17 +23,27 @@ PROMPTS = ["Hello, my name is", "The capital of France is"]
 
 
 @pytest.fixture(scope="module")
-def client(serve_url, model_dirs, lora_adapters):
+def base_url(serve_url, model_dirs, lora_adapters):
     from ray import serve
 
     modules = [f"{name}={folder}" for name, folder in lora_adapters["llama"].items()]
     config = ServerConfig(
-        model=str(model_dirs["llama"]), served_model_name=MODEL, lora_modules=modules,
+        model=str(model_dirs["llama"]), served_model_name=MODEL, lora_modules=modules, lora_dirs=[str(lora_dir(lora_adapters))],
         engine={"max_model_len": MAX_MODEL_LEN, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
     )
     deploy(config, APP, PREFIX)
-    yield openai.OpenAI(base_url=f"{serve_url}{PREFIX}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield serve_url + PREFIX
     serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def lora_dir(lora_adapters) -> Path:
+    """The folder the server may load adapters from at runtime (the llama adapters' parent)."""
+    return lora_adapters["llama"]["all8"].parent
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +76,50 @@ def test_an_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as error:
         client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
     assert "no-such-adapter" in str(error.value)
+
+
+def test_an_adapter_loaded_at_runtime_serves_and_unloads(base_url, client, offline, lora_adapters):
+    folder = lora_adapters["llama"]["qv4"]
+    loaded = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(folder)}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert "late" in {m.id for m in client.models.list().data}
+    [expected] = offline.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
+                                  lora_request=lora_request(lora_adapters["llama"], "qv4"))
+    got = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+    assert got.choices[0].text == expected.outputs[0].text
+    again = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(folder)}, timeout=60)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    assert requests.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
+    assert "late" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt="Hi", max_tokens=2)
+    gone = requests.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert gone.status_code == 404
+
+
+def test_no_request_makes_the_server_read_a_path_outside_its_lora_dirs(base_url, lora_adapters, tmp_path):
+    """Outside the folders, through `..`, or through a symlink inside them that leads out: a 400
+    naming lora_path, before any replica reads anything. Inside, a folder that is no adapter: a
+    400 from the replica's check."""
+    inside = lora_dir(lora_adapters)
+    outside = lora_adapters["qwen2"]["all8"]
+    link = inside / "leads-out"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    not_an_adapter = inside / "empty"
+    not_an_adapter.mkdir(exist_ok=True)
+    for path, message in [
+        (str(outside), "must lie inside one of the server's lora_dirs"),
+        (f"{inside}/../../lora/qwen2/all8", "must not contain '..'"),
+        (str(link), "must lie inside one of the server's lora_dirs"),
+        (str(not_an_adapter), "has no adapter_config.json"),
+    ]:
+        answer = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora_path", (path, answer.text)
+        assert message in answer.json()["error"]["message"], answer.text
+
+
+def test_the_adapter_routes_are_behind_the_api_key():
+    from pagedserve.cluster.request_gate import OPEN_PATHS
+
+    assert not any(path.endswith(OPEN_PATHS) for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"))

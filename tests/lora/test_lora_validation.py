@@ -97,7 +97,7 @@ def test_the_server_flags_as_vllm_spells_them(monkeypatch):
 
 
 @pytest.mark.parametrize("modules, engine, message", [
-    (["sql=/a"], {}, "lora_modules needs the engine's enable_lora"),
+    (["sql=/a"], {}, "lora_modules and lora_dirs need the engine's enable_lora"),
     (["sql"], {"enable_lora": True}, "must be 'name=path' or a JSON object"),
     (['{"name": "x"}'], {"enable_lora": True}, "a JSON entry needs 'name' and 'path'"),
     (["a=/x", "a=/y"], {"enable_lora": True}, "names must be unique"),
@@ -108,3 +108,21 @@ def test_bad_server_adapters_are_refused_before_anything_starts(modules, engine,
 
     with pytest.raises(ValueError, match=message):
         ServerConfig(model="m", served_model_name="base", lora_modules=modules, engine=engine)
+
+
+def test_runtime_adapter_paths_must_lie_inside_lora_dirs(tmp_path):
+    from pagedserve.cluster.lora_adapters import allowed_adapter_path
+
+    allowed, other = tmp_path / "adapters", tmp_path / "secrets"
+    (allowed / "a").mkdir(parents=True)
+    other.mkdir()
+    (allowed / "out").symlink_to(other)
+    assert allowed_adapter_path(str(allowed / "a"), [str(allowed)]) == str((allowed / "a").resolve())
+    for path, message in [
+        (str(other), "must lie inside"), (str(allowed / "out"), "must lie inside"),
+        (f"{allowed}/a/../a", "must not contain '..'"), (str(tmp_path / "adapters-2"), "must lie inside"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            allowed_adapter_path(path, [str(allowed)])
+    with pytest.raises(ValueError, match="loading adapters at runtime is off"):
+        allowed_adapter_path(str(allowed / "a"), [])
