@@ -159,7 +159,7 @@ class Scheduler:
                 if not request.is_finished:  # else its grammar failed: it ended alone
                     skipped.append(request)
                 continue
-            if request.lora_int_id and request.lora_int_id not in running_loras and len(running_loras) >= self.max_loras:
+            if self.max_loras and request.lora_int_id and request.lora_int_id not in running_loras and len(running_loras) >= self.max_loras:
                 skipped.append(self.waiting.popleft())  # every adapter slot is taken: it waits, never fails
                 continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
