@@ -4,7 +4,6 @@ imports them. With CUDA the same tests run compiled on the GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -12,11 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-# triton is in the test extra only where it has wheels (x86-64 Linux); elsewhere skip what needs it.
-if importlib.util.find_spec("triton") is None:
-    collect_ignore = [
-        "test_backend.py", "test_flash_attn_adapter.py",
-        "test_triton_attention.py", "test_triton_compile.py", "test_triton_e2e.py",
-    ]
+# triton is in the test extra only where it has wheels (x86-64 Linux); elsewhere the modules that
+# need it skip themselves, visibly, with the reason (pytest.importorskip at their top).
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86-64 Linux only)")
+
 import torch
 
 from pagedserve.kernels import flash_attn, get_attention_backend, reference, triton_attention

@@ -13,6 +13,9 @@ import sys
 import types
 
 import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86-64 Linux only)")
+
 import torch
 
 from pagedserve.kernels import flash_attn, reference

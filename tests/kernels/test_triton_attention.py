@@ -8,6 +8,9 @@ permutations) padded past the longest sequence, ragged lengths and partial last 
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86-64 Linux only)")
+
 import torch
 
 from pagedserve.kernels import reference, triton_attention, triton_cache

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86-64 Linux only)")
+
 from pagedserve import LLM, SamplingParams
 from tests.kernels.conftest import DEVICE
 
