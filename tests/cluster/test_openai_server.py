@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import requests
 import openai
@@ -167,21 +166,24 @@ def test_24_concurrent_streams(base_url, offline):
 
 
 def test_disconnect_aborts_and_frees_blocks(base_url):
-    aborted_before = engine_stats().request_success_total.get("abort", 0)
+    """Within 5 s of the client's going, and long before the request could have run to its end
+    (a time bound alone failed on a loaded machine; the token count says it was cut short)."""
+    before = engine_stats()
+    aborted_before = before.request_success_total.get("abort", 0)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=30) as response:
         lines = response.iter_lines(decode_unicode=True)
         assert next(line for line in lines if line.startswith("data:"))
         wait_until(lambda: engine_stats().num_requests_running == 1, timeout=5)
-    closed = time.monotonic()
 
     def freed():
         stats = engine_stats()
         return stats.request_success_total.get("abort", 0) == aborted_before + 1 and stats.kv_cache_usage_perc == 0.0
 
     wait_until(freed, timeout=5)
-    assert time.monotonic() - closed < 1.0
-    assert engine_stats().num_requests_running == 0
+    after = engine_stats()
+    assert after.generation_tokens_total - before.generation_tokens_total < 500
+    assert after.num_requests_running == 0
 
 
 # ---- the other endpoints -------------------------------------------------------------------
