@@ -28,13 +28,8 @@ def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tenso
     ranks = [a.shape[0] for a, _ in parts.values()]
     big_b = torch.zeros(out_rows, sum(ranks))
     column = 0
-    for (shard_id, (a, b)), rank in zip(parts.items(), ranks):
-        block = big_b[:, column : column + rank]
-        if shard_id is None:  # a plain column-parallel layer
-            size = layer.output_size_per_rank
-            block.copy_(b[layer.parallel.tp_rank * size : (layer.parallel.tp_rank + 1) * size])
-        else:
-            layer.weight_loader(block, b, shard_id)
+    for (shard_id, (_, b)), rank in zip(parts.items(), ranks):
+        layer.weight_loader(big_b[:, column : column + rank], b, shard_id)  # this rank's rows, where the base puts them
         column += rank
     return torch.cat([a for a, _ in parts.values()]), big_b
 
