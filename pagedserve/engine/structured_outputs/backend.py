@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from pagedserve.sampling_params import StructuredOutputsParams
+
+# Native threads of a batched bitmask fill. Rows are independent; more threads than cores would
+# only contend with the step loop, hence the small cap.
+BATCH_FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class GrammarMatcher(ABC):
@@ -24,6 +29,13 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
+
+    @classmethod
+    def fill_rows(cls, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """`matchers[i]` fills `bitmask[rows[i]]`, all in one call where the library has a batched
+        fill (it then works in native threads, without a Python call per row)."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
 
 
 class GrammarBackend(ABC):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.structured_outputs.backend import GrammarBackend, GrammarMatcher
+from pagedserve.engine.structured_outputs.backend import BATCH_FILL_THREADS, GrammarBackend, GrammarMatcher
 from pagedserve.sampling_params import StructuredOutputsParams
 
 
@@ -36,6 +36,27 @@ class GuidanceMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self.is_stop_accepted
+
+    @classmethod
+    def fill_rows(cls, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        if len(matchers) < 2:
+            return super().fill_rows(matchers, bitmask, rows)
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for m, row in zip(matchers, rows)], bitmask)
+
+
+_EXECUTOR: Any = None
+
+
+def _executor() -> Any:
+    """llguidance's native thread pool for batched fills, made once per process."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor(num_threads=BATCH_FILL_THREADS)
+    return _EXECUTOR
 
 
 class GuidanceBackend(GrammarBackend):

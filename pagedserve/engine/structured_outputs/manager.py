@@ -81,8 +81,13 @@ class StructuredOutputManager:
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
         """One packed row per grammar (int32; bit i of word i // 32 set: token i allowed)."""
         bitmask = torch.full((len(grammars), self.num_bitmask_words), -1, dtype=torch.int32)
+        by_kind: dict[type, tuple[list, list[int]]] = {}  # matcher class -> (matchers, rows)
         for row, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, row)
+            matchers, rows = by_kind.setdefault(type(grammar.matcher), ([], []))
+            matchers.append(grammar.matcher)
+            rows.append(row)
+        for kind, (matchers, rows) in by_kind.items():
+            kind.fill_rows(matchers, bitmask, rows)
         return bitmask.numpy()
 
     def wait_for_any(self, grammars: list[RequestGrammar], timeout_s: float) -> None:
