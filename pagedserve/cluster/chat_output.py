@@ -19,7 +19,7 @@ from typing import Any
 from pagedserve.cluster.serving_options import ServingOptions
 from pagedserve.cluster.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedserve.cluster.structured_requests import FieldError
-from pagedserve.cluster.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from pagedserve.cluster.tool_parsers import ParsedCall, ToolParse, ToolParser, get_tool_parser
 from pagedserve.cluster.tool_formats import forced_call_parser
 from pagedserve.cluster.tool_requests import NamedToolChoice, ToolChoice
 
@@ -66,7 +66,7 @@ class ChatOutput:
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning or None
         if self.tools is not None:
-            parsed = self.tools.parse(content, True)
+            parsed = self._parse_final(content, finish_reason)
             if parsed.calls:
                 message["content"] = parsed.content or None
                 message["tool_calls"] = [_call(new_call_id(self.tool_call_parser), call) for call in parsed.calls]
@@ -78,6 +78,18 @@ class ChatOutput:
 
     def _split(self, text: str, is_final: bool) -> tuple[str, str]:
         return self.reasoning.split(text, is_final) if self.reasoning is not None else ("", text)
+
+    def _parse_final(self, content: str, finish_reason: str | None) -> ToolParse:
+        """The whole reply's parse. A reply cut off by max_tokens in the middle of its calls keeps
+        the calls begun (the last with its arguments as far as they got), as OpenAI sends a
+        truncated call: finish_reason "length" says so, and a stream that already announced the
+        calls is not contradicted by the same text arriving again as content."""
+        parsed = self.tools.parse(content, True)
+        if parsed.calls or finish_reason != "length":
+            return parsed
+        partial = self.tools.parse(content, False)
+        begun = [call for call in partial.calls if call.name is not None]
+        return ToolParse(partial.content, begun) if begun else parsed
 
     def _finish_reason(self, finish_reason: str | None) -> str | None:
         # OpenAI ends a call the request named with "stop", any other call with "tool_calls".
@@ -105,7 +117,7 @@ class ChoiceStream:
             self.num_reasoning_sent = len(reasoning)
         calls: list[ParsedCall] = []
         if self.output.tools is not None:
-            parsed = self.output.tools.parse(content, is_final)
+            parsed = self.output._parse_final(content, finish_reason) if is_final else self.output.tools.parse(content, False)
             content, calls = parsed.content, parsed.calls
         if content[self.num_content_sent :]:
             delta["content"] = content[self.num_content_sent :]

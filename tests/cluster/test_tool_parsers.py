@@ -145,3 +145,29 @@ def test_registry_and_special_tokens():
         get_tool_parser("nope")
     assert ChatOutput(options("mistral"), "auto", True).keeps_special_tokens
     assert not ChatOutput(options("hermes"), "auto", True).keeps_special_tokens
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_calls_cut_off_by_max_tokens_stay_calls_with_finish_reason_length(step):
+    """Truncated mid-call: the calls begun are the reply (the last one's arguments as far as they
+    got), whole or streamed, and the stream never repeats their text as content."""
+    text = '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "xy'
+    message, finish = ChatOutput(ServingOptions(), "required", True).message(text, "length")
+    assert finish == "length" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("f", '{"a": 1}'), ("g", '{"b": "xy')]
+    stream = ChatOutput(ServingOptions(), "required", True).stream()
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    content, calls = "", []
+    for number, piece in enumerate(pieces):
+        delta, finish = stream.delta(piece, "length" if number == len(pieces) - 1 else None)
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            if call["index"] == len(calls):
+                calls.append([call["function"]["name"], call["function"]["arguments"]])
+            else:
+                calls[call["index"]][1] += call["function"]["arguments"]
+    assert content == "" and finish == "length"
+    assert calls == [["f", '{"a": 1}'], ["g", '{"b": "xy']]
+    # Cut off before any call's name is whole: the text is content, as any unparsable reply.
+    message, _ = ChatOutput(ServingOptions(), "required", True).message('[{"na', "length")
+    assert message["content"] == '[{"na' and "tool_calls" not in message
