@@ -83,7 +83,7 @@ class HttpBackend:
         return result
 
     async def _read_stream(self, response: Any, result: RequestResult, start: float) -> None:
-        timer = _ChunkTimer(start)
+        timer = ChunkTimer(start)
         async for raw_line in response.content:
             line = raw_line.strip()
             if not line.startswith(b"data:"):
@@ -143,7 +143,7 @@ class InProcessBackend:
         )
         prompt = spec.prompt if isinstance(spec.prompt, str) else {"prompt_token_ids": spec.prompt}
         start = time.perf_counter()
-        timer = _ChunkTimer(start)
+        timer = ChunkTimer(start)
         finish_reason = None
         try:
             async for output in self.llm.generate(prompt, params, request_id):
@@ -163,7 +163,7 @@ class InProcessBackend:
         return result
 
 
-class _ChunkTimer:
+class ChunkTimer:
     """Turns the arrival times of content chunks into TTFT and inter-token gaps."""
 
     def __init__(self, start: float):

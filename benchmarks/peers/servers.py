@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,8 +36,9 @@ def server_command(engine: str, python: str, args, port: int) -> list[str]:
     if engine == "pagedserve":
         command = [python, "-m", "pagedserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1", *common]
         command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
-        return command + args.pagedserve_args.split()
-    return [os.path.join(os.path.dirname(python), "vllm"), "serve", args.model, "--host", "127.0.0.1", *common]
+        return command + shlex.split(args.pagedserve_args)
+    command = [os.path.join(os.path.dirname(python), "vllm"), "serve", args.model, "--host", "127.0.0.1", *common]
+    return command + shlex.split(getattr(args, "vllm_args", ""))
 
 
 @contextlib.contextmanager

@@ -16,11 +16,18 @@ import json
 import re
 from typing import Any
 
+# Imported with this module, at the ingress's start, not at its first forced call: xgrammar
+# imports transformers, whose lazy module is not thread-safe, and on a fresh ingress the first
+# request's import raced the tokenizer's load on another thread ("cannot import name
+# 'PreTrainedTokenizerBase' from 'transformers'": a 500).
+import xgrammar as xgr
+
 from pagedserve.cluster.structured_requests import FieldError
 from pagedserve.cluster.tool_parsers import ToolParser
 from pagedserve.cluster.tool_parsers.hermes import END, START, HermesToolParser
 from pagedserve.cluster.tool_parsers.json_calls import JsonToolParser, Llama3JsonToolParser
 from pagedserve.cluster.tool_requests import ForcedCall
+from pagedserve.engine.structured_outputs.backend import COMPACT_SEPARATORS
 
 # Parsers whose forced calls a grammar writes in the model's own format. mistral's marker is a
 # special token, which no grammar can write: its forced calls are the JSON array that follows the
@@ -61,10 +68,9 @@ def renamed_arguments(call_schema: dict[str, Any], key: str) -> dict[str, Any]:
 def framed_grammar(call_schema: dict[str, Any], is_list: bool, compact: bool, before: str, after: str, separator: str) -> str:
     """EBNF: each call is `before` + the call's JSON + `after` (EBNF string literals, or empty),
     several joined by `separator`, around xgrammar's own rendering of the call schema."""
-    import xgrammar as xgr
-
+    layout = {"any_whitespace": False, "separators": COMPACT_SEPARATORS} if compact else {"any_whitespace": True}
     try:
-        call_json = str(xgr.Grammar.from_json_schema(json.dumps(call_schema), any_whitespace=not compact))
+        call_json = str(xgr.Grammar.from_json_schema(json.dumps(call_schema), **layout))
     except (ValueError, RuntimeError) as error:  # xgrammar reports a bad schema as either
         reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         raise FieldError("tools", f"a function's parameters are not a JSON schema xgrammar takes: {reason}") from None

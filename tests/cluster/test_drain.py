@@ -4,11 +4,14 @@ another replica, equal to an undisturbed run, with no error, no gap and no repea
 
 Two replicas of the tiny Llama, a short grace period (2 s: a stream left on a stopping replica
 would be cut), greedy and seeded sampling, streams of one choice and of two (n=2: each choice
-resumes from what the client has of it), the real openai client."""
+resumes from what the client has of it), two streams under a JSON schema (the longest, so they
+are mid-JSON when their replica leaves: the grammar goes on where it was), the real openai
+client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -20,6 +23,8 @@ APP = "drainy"
 NUM_STREAMS = 8
 MAX_TOKENS = 200  # long enough to be in flight when the replica leaves
 PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", "In a hole in the ground"]
+JSON_STREAMS = (2, 5)  # greedy chat; seeded completions with n=2
+LONG_ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 100, "maxItems": 100}
 
 
 def apply(
@@ -89,6 +94,8 @@ async def one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event | None,
     """(each choice's text, prompt_tokens, completion_tokens) of request i; streamed unless
     `started` is None."""
     params = {"max_tokens": max_tokens, "extra_body": {"ignore_eos": True}, **sampling(i)}
+    if started is not None and i in JSON_STREAMS:  # ends with its array, after the others
+        params = {**params, "max_tokens": 480, "extra_body": {"structured_outputs": {"json": LONG_ARRAY}}}
     return await ask(client, APP, PROMPTS[i % len(PROMPTS)], i % 4 >= 2, params, started)
 
 
@@ -135,7 +142,11 @@ def drain_url(serve_url, model_dirs):
 
 @pytest.fixture(scope="module")
 def undisturbed(drain_url):
-    return asyncio.run(run_all(drain_url))
+    results = asyncio.run(run_all(drain_url))
+    for i in JSON_STREAMS:
+        texts, _, num_tokens = results[i]
+        assert num_tokens / len(texts) > MAX_TOKENS and all(len(json.loads(text)) == 100 for text in texts)
+    return results
 
 
 def test_scale_down_mid_stream_hands_streams_over(drain_url, undisturbed, model_dirs):

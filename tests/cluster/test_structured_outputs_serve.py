@@ -161,8 +161,11 @@ def test_required_tool_call_streamed_and_not(client):
 
 def test_parallel_required_calls_are_a_list(client):
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=150, tools=TOOLS, tool_choice="required").choices[0]
-    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) >= 1
-    for call in reply.message.tool_calls:
+    calls = reply.message.tool_calls
+    # A random-weight model may repeat calls until max_tokens: the calls begun are still calls,
+    # only the last one's arguments may be cut off.
+    assert calls and reply.finish_reason in ("tool_calls", "length") and reply.message.content is None
+    for call in calls if reply.finish_reason == "tool_calls" else calls[:-1]:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 

@@ -187,11 +187,12 @@ def accepts(grammar: str, text: str) -> bool:
 
 def test_hermes_server_forces_calls_in_tool_call_tags():
     grammar, output = hermes_spec(tool_choice="required")
-    call_f, call_g = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    call_f, call_g = '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>', '<tool_call>\n{"name":"g","arguments":{}}\n</tool_call>'
     assert accepts(grammar, call_f) and accepts(grammar, f"{call_f}\n{call_g}")  # parallel: one or more blocks
-    assert not accepts(grammar, '{"name": "f", "arguments": {"a": 1}}')  # not bare JSON
-    assert not accepts(grammar, '<tool_call>\n{"name": "f", "arguments": {"a": "x"}}\n</tool_call>')  # the schema holds
-    assert not accepts(grammar, '<tool_call>\n{"name": "f",  "arguments": {"a": 1}}\n</tool_call>')  # compact
+    assert not accepts(grammar, '{"name":"f","arguments":{"a":1}}')  # not bare JSON
+    assert not accepts(grammar, '<tool_call>\n{"name":"f","arguments":{"a":"x"}}\n</tool_call>')  # the schema holds
+    # Compact, as vLLM's disable_any_whitespace: not even a space after ":" or ",".
+    assert not accepts(grammar, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
     assert output.tools.name == "hermes"
     message, finish = output.message(f"{call_f}\n{call_g}", "stop")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["f", "g"] and finish == "tool_calls"
@@ -199,7 +200,7 @@ def test_hermes_server_forces_calls_in_tool_call_tags():
 
 def test_hermes_named_call_is_one_block_and_free_whitespace_is_opt_in():
     grammar, _ = hermes_spec(tool_choice={"type": "function", "function": {"name": "f"}})
-    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    call = '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>'
     assert accepts(grammar, call) and not accepts(grammar, f"{call}\n{call}")
     grammar, _ = hermes_spec(tool_choice="required", structured_outputs={"disable_any_whitespace": False})
     assert accepts(grammar, '<tool_call>\n{ "name" : "f",\n "arguments": {"a": 1} }\n</tool_call>')
@@ -221,11 +222,11 @@ def forced_spec(parser: str, **fields) -> tuple[dict, object]:
 def test_llama3_json_server_forces_calls_in_llama3s_own_shape():
     """{"name": ..., "parameters": {...}}, several joined by "; ", read back by the llama3_json parser."""
     spec, output = forced_spec("llama3_json", tool_choice="required")
-    call_f, call_g = '{"name": "f", "parameters": {"a": 1}}', '{"name": "g", "parameters": {}}'
+    call_f, call_g = '{"name":"f","parameters":{"a":1}}', '{"name":"g","parameters":{}}'
     grammar = spec["grammar"]
     assert accepts(grammar, call_f) and accepts(grammar, f"{call_f}; {call_g}")
-    assert not accepts(grammar, '{"name": "f", "arguments": {"a": 1}}')  # OpenAI's key is not Llama's
-    assert not accepts(grammar, '{"name": "f", "parameters": {"a": "x"}}')  # the schema holds
+    assert not accepts(grammar, '{"name":"f","arguments":{"a":1}}')  # OpenAI's key is not Llama's
+    assert not accepts(grammar, '{"name":"f","parameters":{"a":"x"}}')  # the schema holds
     assert output.tools.name == "llama3_json"
     message, finish = output.message(f"{call_f}; {call_g}", "stop")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [("f", {"a": 1}), ("g", {})]

@@ -10,6 +10,10 @@ import torch
 
 from pagedserve.sampling_params import StructuredOutputsParams
 
+# Compact JSON (disable_any_whitespace, the default) has no whitespace at all, not even after
+# "," and ":", exactly as vLLM renders it: fewer tokens, and nothing a weak model can loop on.
+COMPACT_SEPARATORS = (",", ":")
+
 # Native threads of a batched bitmask fill. Rows are independent; more threads than cores would
 # only contend with the step loop, hence the small cap.
 BATCH_FILL_THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.structured_outputs.backend import BATCH_FILL_THREADS, GrammarBackend, GrammarMatcher
+from pagedserve.engine.structured_outputs.backend import BATCH_FILL_THREADS, COMPACT_SEPARATORS, GrammarBackend, GrammarMatcher
 from pagedserve.sampling_params import StructuredOutputsParams
 
 
@@ -110,8 +110,10 @@ def to_grammar(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec) if kind == "json" else {"type": "object"}
         if params.disable_additional_properties:
             schema = close_objects(schema)
-        flexible = not params.disable_any_whitespace
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": flexible})
+        layout = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.disable_any_whitespace:
+            layout["item_separator"], layout["key_separator"] = COMPACT_SEPARATORS
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=layout)
     text = json.dumps(params.choice) if kind == "choice" else getattr(params, kind)
     return llguidance.grammar_from(kind, text)
 

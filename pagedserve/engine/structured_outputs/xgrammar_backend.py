@@ -9,9 +9,12 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.structured_outputs.backend import GrammarBackend, GrammarMatcher
+from pagedserve.engine.structured_outputs.backend import COMPACT_SEPARATORS, GrammarBackend, GrammarMatcher
 from pagedserve.engine.structured_outputs.grammar_text import choice_to_ebnf, is_lark
 from pagedserve.sampling_params import StructuredOutputsParams
+
+# xgrammar's own compile cache (shared pieces of grammars), in bytes; vLLM allows 512 MiB.
+COMPILER_CACHE_BYTES = 256 * 2**20
 
 
 class XgrammarMatcher(GrammarMatcher):
@@ -52,8 +55,11 @@ class XgrammarBackend(GrammarBackend):
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        # The manager keeps its own LRU of compiled grammars; one thread per compile (2 in flight).
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # One thread per compile (2 in flight). The manager keeps its own LRU of whole compiled
+        # grammars; xgrammar's cache, on as well, shares the pieces schemas have in common (string
+        # and number rules and their token masks): a second, different schema compiled in 2 ms
+        # instead of 0.35 s, and the first in half the time (benchmarks/structured_outputs.py).
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     @staticmethod
     def check(params: StructuredOutputsParams) -> None:
@@ -73,12 +79,14 @@ def to_grammar(params: StructuredOutputsParams) -> Any:
     import xgrammar as xgr
 
     kind = params.kind
-    any_whitespace = not params.disable_any_whitespace
+    layout = {"any_whitespace": not params.disable_any_whitespace}
+    if params.disable_any_whitespace:
+        layout["separators"] = COMPACT_SEPARATORS
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(params.spec, any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema(params.spec, **layout)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', **layout)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":

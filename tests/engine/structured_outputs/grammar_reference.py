@@ -37,11 +37,13 @@ class GrammarReference:
         self.cache: dict[tuple, list[int]] = {}
 
     def compile(self, kind: str, value, any_whitespace: bool = False):
-        """The same spec the engine gets, compiled by xgrammar directly (vLLM's mapping)."""
+        """The same spec the engine gets, compiled by xgrammar directly (vLLM's mapping: compact
+        JSON is vLLM's disable_any_whitespace, no whitespace even after "," and ":")."""
+        layout = {"any_whitespace": any_whitespace, "separators": None if any_whitespace else (",", ":")}
         if kind == "json":
-            return self.compiler.compile_json_schema(json.dumps(value), any_whitespace=any_whitespace)
+            return self.compiler.compile_json_schema(json.dumps(value), **layout)
         if kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            return self.compiler.compile_json_schema('{"type": "object"}', **layout)
         if kind == "regex":
             return self.compiler.compile_regex(value)
         if kind == "choice":
