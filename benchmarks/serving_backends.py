@@ -20,6 +20,7 @@ class RequestSpec:
     prompt: str | list[int]  # text, or token ids (the OpenAI API takes both)
     prompt_len: int  # tokens asked for; exact for ids, approximate for text
     output_len: int  # max_tokens, and with ignore_eos also the exact output length
+    model: str | None = None  # the served model (a LoRA adapter's name) for this request; None: the run's
 
 
 class HttpBackend:
@@ -59,7 +60,7 @@ class HttpBackend:
 
     def payload(self, spec: RequestSpec) -> dict:
         return {
-            "model": self.model,
+            "model": spec.model or self.model,
             "prompt": spec.prompt,
             "max_tokens": spec.output_len,
             "temperature": self.temperature,

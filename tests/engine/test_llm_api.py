@@ -94,7 +94,11 @@ def test_n_completions_with_seed_are_reproducible(llm):
 
 
 def test_seeded_request_ignores_its_batch(llm):
-    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16)
+    # No top_p here: in another batch the logits round ~1e-6 apart, and a token on the nucleus
+    # edge can fall in or out, so the draw may legitimately differ (it flaked). Truncation under
+    # a seed across batches is checked on identical logits instead:
+    # tests/workers/test_sampler.py::test_seeded_row_with_truncation_is_reproducible.
+    params = SamplingParams(temperature=0.9, seed=1234, max_tokens=16)
     alone = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=20)] * 3
     crowd = llm.generate(["Hi", "Once upon a time", "The sea", "Stars"], [others[0], params, *others[1:]], use_tqdm=False)

@@ -52,3 +52,22 @@ def test_sampler_argmax_stays_inside_the_grammar_and_grammar_beats_min_tokens_ba
     # Row 0: the best allowed token; row 1: its grammar allows only EOS, which wins over the
     # ban; row 2 (unconstrained) keeps its argmax.
     assert sampled == [21, eos, 10]
+
+
+def test_every_row_constrained_masks_in_place_and_the_callers_logits_stay_untouched():
+    """All rows under a grammar take the in-place path; the result equals the gather/scatter one,
+    and the sampler never writes into the logits it was given (float32 or bf16)."""
+    allowed = unpack_bitmask(pack([[3, 7], [64], [0, 95]], 96))
+    every = torch.randn(3, 100)
+    some = every.clone()
+    apply_grammar(every, torch.tensor([0, 1, 2]), allowed)
+    for row in range(3):
+        apply_grammar(some, torch.tensor([row]), allowed[row : row + 1])
+    assert torch.equal(every, some)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(3, 96).to(dtype)
+        original = logits.clone()
+        batch = SamplingBatch(temperature=torch.zeros(3), all_greedy=True, grammar_rows=torch.tensor([0, 1, 2]), grammar_allowed=allowed)
+        assert Sampler(0, torch.device("cpu"))(logits, batch).sampled_token_ids.tolist() == [
+            3 if logits[0, 3] > logits[0, 7] else 7, 64, 0 if logits[2, 0] > logits[2, 95] else 95]
+        assert torch.equal(logits, original)

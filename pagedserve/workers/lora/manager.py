@@ -64,14 +64,19 @@ class WorkerLoRAManager:
         for (layer_index, projection), pair in weights.items():
             module_name, shard_id = PROJECTIONS[projection]
             by_module.setdefault((str(layer_index), module_name), {})[shard_id] = pair
+        num_bytes = 0
         for (layer_index, module_name), parts in by_module.items():
             if layer_index not in self.layers:
                 continue  # another pipeline stage's layer
             module = self.layers[layer_index].get_submodule(module_name)
-            a, b = shard_for_layer(module, parts)
-            module.lora_weights[request.lora_int_id] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+            a, b = (t.to(self.device, self.dtype) for t in shard_for_layer(module, parts))
+            module.lora_weights[request.lora_int_id] = (a, b)
+            num_bytes += a.nbytes + b.nbytes
         self.resident[request.lora_int_id] = request.lora_path
-        logger.info("loaded LoRA adapter %s (id %d) from %s", request.lora_name, request.lora_int_id, request.lora_path)
+        logger.info(
+            "loaded LoRA adapter %s (id %d) from %s: %.1f MiB resident on this rank",
+            request.lora_name, request.lora_int_id, request.lora_path, num_bytes / 2**20,
+        )
 
     def _modules(self) -> list[Any]:
         return [layer.get_submodule(name) for layer in self.layers.values() for name in {m for m, _ in PROJECTIONS.values()}]
