@@ -35,6 +35,9 @@ class WorkerLoRAManager:
         self.max_lora_rank = max_lora_rank
         self.capacity = capacity
         self.dtype, self.device = dtype, device
+        # Adapters are held in float32 on the CPU, whatever the model's dtype (layer_lora.py's
+        # low_rank_product: faster at decode sizes); a GPU keeps the model's dtype.
+        self.lora_dtype = torch.float32 if device.type == "cpu" else dtype
         self.resident: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> its path, oldest first
 
     def ensure(self, requests: list[LoRARequest], in_use: set[int]) -> None:
@@ -69,7 +72,7 @@ class WorkerLoRAManager:
             if layer_index not in self.layers:
                 continue  # another pipeline stage's layer
             module = self.layers[layer_index].get_submodule(module_name)
-            a, b = (t.to(self.device, self.dtype) for t in shard_for_layer(module, parts))
+            a, b = (t.to(self.device, self.lora_dtype) for t in shard_for_layer(module, parts))
             module.lora_weights[request.lora_int_id] = (a, b)
             num_bytes += a.nbytes + b.nbytes
         self.resident[request.lora_int_id] = request.lora_path
