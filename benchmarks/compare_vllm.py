@@ -8,6 +8,12 @@ loopback ports) are each loaded by the same `vllm bench serve --backend openai -
 saturation). Writes JSON (with the machine's CPU, its bf16 support and the load before and after)
 and a PNG of the rate sweep.
 
+Outputs are checked before any figure is reported: each engine's offline process also completes
+eight natural prompts greedily, and in bf16 those completions are compared with Hugging Face's
+bf16 model, teacher-forced on them (bf16_check.py: top-1 agreement of at least 99% and a mean
+logprob gap within twice HF's own bf16 rounding). A pagedserve run that fails the check reports
+no speed figure (exit 1); vLLM's result is recorded beside it for reference.
+
 Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/peers-venv).
 
     python benchmarks/compare_vllm.py --model /work/smollm2-hf \\
@@ -37,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 sys.path.insert(0, str(HERE))
 
+from bf16_check import closeness, load_hf_pair  # noqa: E402
 from common import machine_info, write_report  # noqa: E402
 from servers import Server, start_server  # noqa: E402
 
@@ -91,6 +98,36 @@ def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path) -> di
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{engine} offline run failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
+
+
+# The output check's prompts: natural text, so a trained model's greedy choices have clear margins.
+CHECK_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "In 1969, the first humans to walk on the Moon were",
+    "import numpy as np\n\n# Compute the mean of",
+    "The sky is blue because",
+]
+CHECK_LEN = 32
+
+
+def check_prompts(model: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [tokenizer.encode(text) for text in CHECK_TEXTS]
+
+
+def check_outputs(offline: dict, args: argparse.Namespace) -> dict:
+    """engine -> the bf16 check's summary of its completions (offline[engine]["check"], removed)."""
+    samples = {engine: result.pop("check") for engine, result in offline.items()}
+    if args.dtype not in ("bfloat16", "bf16"):
+        return {engine: {"skipped": f"the check is for bf16 runs; this one is {args.dtype} (the tests pin float32 exactness)"} for engine in samples}
+    hf_pair = load_hf_pair(args.model)
+    return {engine: closeness(*hf_pair, [(p, c, c, lp) for p, c, lp in found]).summary() for engine, found in samples.items()}
 
 
 def bench_serve(server: Server, rate: str, args: argparse.Namespace, result_dir: Path) -> dict:
@@ -169,9 +206,19 @@ def main() -> None:
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(low, high))] for _ in range(args.offline_num_prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "prompts.json"
-        prompts_file.write_text(json.dumps({"prompts": prompts, "output_len": args.offline_output_len}))
-        if not args.skip_offline:
+        checks = {"check_prompts": check_prompts(args.model), "check_len": CHECK_LEN}
+        if args.skip_offline:  # a short untimed run, for the output check alone
+            prompts_file.write_text(json.dumps({"prompts": prompts[:4], "output_len": 4, **checks}))
+            report["output_check"] = check_outputs({engine: run_offline(engine, args, prompts_file) for engine in engines}, args)
+        else:
+            prompts_file.write_text(json.dumps({"prompts": prompts, "output_len": args.offline_output_len, **checks}))
             report["offline"] = {engine: run_offline(engine, args, prompts_file) for engine in engines}
+            report["output_check"] = check_outputs(report["offline"], args)
+        failed = [engine for engine, check in report["output_check"].items() if engine.startswith("pagedserve") and check.get("passed") is False]
+        if failed:
+            report.pop("offline", None)
+            write_report(report, args.output)
+            sys.exit(f"{', '.join(failed)}: outputs failed the bf16 check ({report['output_check']}); no speed figure is reported")
         if not args.skip_online:
             online = [engine for engine in engines if engine in ("pagedserve", "vllm")]
             report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in online}

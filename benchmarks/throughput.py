@@ -127,9 +127,10 @@ def summary(num_prompts: int, num_input: int, num_output: int, seconds: float) -
     }
 
 
-def time_generate(model: str, engine_args: dict, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+def time_generate(model: str, engine_args: dict, prompts: list[list[int]], output_len: int, then=None) -> tuple[float, float]:
     """(startup + warm-up seconds, seconds) of pagedserve generating exactly `output_len` tokens
-    per prompt (greedy, ignore_eos); the time covers generate() only. peers/offline_run.py uses it too."""
+    per prompt (greedy, ignore_eos); the time covers generate() only. peers/offline_run.py uses it
+    too, with `then(llm)` run on the same engine after the timed run (its output check)."""
     from pagedserve import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -141,6 +142,8 @@ def time_generate(model: str, engine_args: dict, prompts: list[list[int]], outpu
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        if then is not None:
+            then(llm)
     finally:
         llm.shutdown()
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len

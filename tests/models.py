@@ -82,8 +82,9 @@ def build_model(folder: Path, name: str, tokenizer_dir: Path, seed: int = 0, **o
 
 
 class HFReference:
-    """Greedy completions from Hugging Face transformers, cached per (prompt, max_tokens). A
-    `.gguf` path is loaded by transformers' own GGUF loader (dequantized to `dtype`)."""
+    """Greedy completions from Hugging Face transformers, with the log-probability of each chosen
+    token, cached per (prompt, max_tokens). A `.gguf` path is loaded by transformers' own GGUF
+    loader (dequantized to `dtype`)."""
 
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
@@ -91,10 +92,17 @@ class HFReference:
         where = dict(gguf_file=path.name) if path.suffix == ".gguf" else {}
         folder = path.parent if where else path
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **where).eval()
-        self.cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self.cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def greedy(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        return self._generate(prompt_token_ids, max_tokens)[0]
+
+    def greedy_logprobs(self, prompt_token_ids: list[int], max_tokens: int) -> list[float]:
+        """The log-probability of each greedy token (log-softmax of HF's logits, in float64)."""
+        return self._generate(prompt_token_ids, max_tokens)[1]
 
     @torch.inference_mode()
-    def greedy(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    def _generate(self, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         key = (tuple(prompt_token_ids), max_tokens)
         if key not in self.cache:
             input_ids = torch.tensor([prompt_token_ids])
@@ -104,8 +112,12 @@ class HFReference:
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=self.model.config.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-            self.cache[key] = out[0, len(prompt_token_ids):].tolist()
+            tokens = out.sequences[0, len(prompt_token_ids):].tolist()
+            logprobs = [torch.log_softmax(step[0].double(), -1)[token].item() for step, token in zip(out.logits, tokens)]
+            self.cache[key] = (tokens, logprobs)
         return self.cache[key]
 
 

@@ -6,9 +6,12 @@ pagedserve's interpreter and once with the peer venv's, on the same prompts.
 `pagedserve` runs with its defaults (eager on the CPU), `pagedserve-compiled` with `enforce_eager=False`
 (torch.compile, workers/compile.py).
 
-FILE.json holds {"prompts": [[token ids], ...], "output_len": N}. Prints one JSON line: seconds,
-requests/s and tokens/s of generating exactly N tokens per prompt (greedy, ignore_eos), after a
-short warm-up (which includes any compiling; `startup_s` reports the start and the warm-up). It imports only the engine it runs, so either venv can run it.
+FILE.json holds {"prompts": [[token ids], ...], "output_len": N} and optionally "check_prompts"
+and "check_len". Prints one JSON line: seconds, requests/s and tokens/s of generating exactly N
+tokens per prompt (greedy, ignore_eos), after a short warm-up (which includes any compiling;
+`startup_s` reports the start and the warm-up), and "check": the same engine's greedy completions
+of the check prompts with their logprobs. It imports only the engine it runs, so either venv can
+run it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,27 @@ def run_pagedserve(args: argparse.Namespace, prompts: list[list[int]], output_le
         kwargs["num_cpu_threads"] = args.num_cpu_threads
     if args.engine == "pagedserve-compiled":
         kwargs["enforce_eager"] = False
-    args.startup_s, seconds = time_generate(args.model, kwargs, prompts, output_len)
+    args.startup_s, seconds = time_generate(args.model, kwargs, prompts, output_len, then=lambda llm: check_outputs(llm, args))
     return seconds
+
+
+def check_outputs(llm, args: argparse.Namespace) -> None:
+    """The output check's greedy completions (`check_prompts`, with each token's logprob), from the
+    engine just timed: compare_vllm.py compares them with Hugging Face's (bf16_check.py)."""
+    if args.engine == "vllm":
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt as prompt
+    else:
+        from pagedserve import SamplingParams
+
+        prompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=args.check_len, logprobs=0)
+    outputs = llm.generate([prompt(prompt_token_ids=p) for p in args.check_prompts], params, use_tqdm=False)
+    args.check = []
+    for output in outputs:
+        completion = output.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        args.check.append([list(output.prompt_token_ids), list(completion.token_ids), logprobs])
 
 
 def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int) -> float:
@@ -47,6 +69,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]], output_len: int
     outputs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
+    check_outputs(llm, args)
     return seconds
 
 
@@ -62,6 +85,7 @@ def main() -> None:
     with open(args.prompts) as handle:
         workload = json.load(handle)
     prompts, output_len = workload["prompts"], workload["output_len"]
+    args.check_prompts, args.check_len = workload.get("check_prompts", []), workload.get("check_len", 0)
     runner = run_vllm if args.engine == "vllm" else run_pagedserve
     seconds = runner(args, prompts, output_len)
     num_input = sum(map(len, prompts))
@@ -75,6 +99,7 @@ def main() -> None:
                 "requests_per_s": round(len(prompts) / seconds, 3),
                 "output_tokens_per_s": round(num_output / seconds, 1),
                 "total_tokens_per_s": round((num_input + num_output) / seconds, 1),
+                "check": args.check,
             }
         ),
         flush=True,

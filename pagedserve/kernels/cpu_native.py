@@ -17,12 +17,27 @@ from pagedserve.kernels import native_build
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.reference import kv_cache_shape, write_kv_cache
 
-__all__ = ["kv_cache_shape", "write_kv_cache", "paged_attention", "is_available", "can_fuse", "rms_norm", "silu_and_mul", "rotary"]
+__all__ = [
+    "kv_cache_shape", "write_kv_cache", "paged_attention", "is_available", "can_fuse", "rms_norm", "silu_and_mul",
+    "rotary", "compiled_paths", "attention_path_counts",
+]  # fmt: skip
+
+
+compiled_paths = native_build.compiled_paths
 
 
 def is_available() -> bool:
     """True once the C++ kernel is built and loaded (built on first use; see native_build)."""
     return native_build.load()
+
+
+def attention_path_counts() -> dict[str, int]:
+    """(query token, KV head) tasks run on each attention path in this process so far: "avx512"
+    (the served shapes) and "portable" (any other head_dim or group, or a CPU without AVX-512)."""
+    if not native_build.load():
+        return {"avx512": 0, "portable": 0}
+    fast, portable = torch.ops.pagedserve_cpu.attention_path_counts()
+    return {"avx512": fast, "portable": portable}
 
 
 def paged_attention(

@@ -60,7 +60,23 @@ def _try_load() -> bool:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("building the native CPU kernels failed, using the pure-torch attention: %s", error)
         return False
+    logger.info("native CPU kernels loaded from %s; paths compiled for this CPU: %s", library.name, ", ".join(sorted(_compiled_paths())) or "portable only")
     return True
+
+
+def compiled_paths() -> frozenset[str]:
+    """The instruction-set paths the build compiled (`-march=native` decides): "avx512" (the
+    attention's register path for head_dim 64 and 128), "avx512_bf16" (its bf16 dot products) and
+    "small_linear_bf16" (the light-step linear). Empty when the kernels did not build."""
+    return _compiled_paths() if load() else frozenset()
+
+
+def _compiled_paths() -> frozenset[str]:
+    isa = torch.ops.pagedserve_cpu.attention_isa()
+    paths = {name for bit, name in ((1, "avx512"), (2, "avx512_bf16")) if isa & bit}
+    if torch.ops.pagedserve_cpu.small_linear_max_rows() > 0:
+        paths.add("small_linear_bf16")
+    return frozenset(paths)
 
 
 def _flags() -> list[str]:

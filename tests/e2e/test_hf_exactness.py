@@ -24,6 +24,13 @@ SHARED_PREFIX = (
 )
 PREFIX_PROMPTS = [SHARED_PREFIX + tail for tail in ("Why?", "Tell me more.", "What is a block?", "And then")]
 
+# Two float32 implementations of the same model differ only in summation order. Each logit is
+# summed over ~100-500 terms per layer; with float32's unit roundoff 2^-24 and logits of order 10,
+# order alone moves a logit by about 1e-6 to 1e-5 (the largest gap measured over the tiny models'
+# matrix and the head_dim 64/128 models: 1.3e-5). 1e-4 leaves room for that and no more: an RMSNorm
+# epsilon of 1e-5 instead of 1e-6 moved them by 6e-4 and flipped no token (tried).
+LOGPROB_BOUND = 1e-4
+
 # name -> (engine arguments, prompts)
 CONFIGS = {
     "default": ({}, PROMPTS),
@@ -38,10 +45,15 @@ CONFIGS = {
 
 
 def engine_vs_hf(llm: LLM, hf, prompts: list[str]) -> list:
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    """Greedy tokens equal HF's, and each token's log-probability is within LOGPROB_BOUND of HF's."""
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
     for output in outputs:
+        completion = output.outputs[0]
         expected = hf.greedy(output.prompt_token_ids, MAX_TOKENS)
-        assert output.outputs[0].token_ids == expected, f"prompt {output.prompt!r}"
+        assert completion.token_ids == expected, f"prompt {output.prompt!r}"
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        gaps = [abs(ours - theirs) for ours, theirs in zip(logprobs, hf.greedy_logprobs(output.prompt_token_ids, MAX_TOKENS))]
+        assert max(gaps) <= LOGPROB_BOUND, f"prompt {output.prompt!r}: logprobs {max(gaps):.2e} from HF's"
     return outputs
 
 

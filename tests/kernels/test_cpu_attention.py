@@ -20,7 +20,9 @@ CASES = {
 
 
 def check_against_reference(batch: PagedBatch) -> None:
-    check_with(batch, cpu_attention.paged_attention)
+    # torch's fused attention rounds its probabilities to bf16 before they weight V: each output
+    # is within two roundings of its row's scale (1.5 measured), not of its own value.
+    check_with(batch, cpu_attention.paged_attention, per_row=True, roundings=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -147,3 +147,37 @@ def test_fused_rotary_matches_the_torch_layer(dtype):
         torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=TOLERANCE[dtype])
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu_native.rotary(q, torch.tensor([0, 1, 2, 3, 4, 512]), rope.cos, rope.sin)
+
+
+# /proc/cpuinfo flag(s) -> the path a -march=native build of this machine must have compiled.
+PROMISED_PATHS = {("avx512f",): "avx512", ("avx512f", "avx512_bf16"): "avx512_bf16", ("avx512bw", "avx512_bf16"): "small_linear_bf16"}
+
+
+def test_the_build_compiled_every_path_this_cpu_promises():
+    """A CPU whose flags promise AVX-512 (or AVX-512 BF16) must get those paths: a build that
+    missed them (a wrong -march, an old compiler) would pass every output test on the portable
+    loop and lose the speed silently."""
+    flags = set(native_build._cpu_flags().split())
+    promised = {path for needs, path in PROMISED_PATHS.items() if flags.issuperset(needs)}
+    compiled = cpu_native.compiled_paths()
+    assert promised <= compiled, f"this CPU has {sorted(promised)}; the build compiled only {sorted(compiled)}"
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, served",
+    [((8, 1), 64, True), ((6, 2), 128, True), ((4, 4), 32, False), ((9, 1), 64, False)],
+    ids=["group8_d64", "group3_d128", "d32", "group9"],
+)
+def test_the_kernel_reports_the_path_each_task_took(heads, head_dim, served):
+    """Served shapes (head_dim 64 or 128, 1 to 8 query heads per KV head) take the AVX-512 path
+    where it was compiled; any other shape takes the portable loop. One task per (query token,
+    KV head)."""
+    query_lens, context_lens = CASES["mixed"]
+    batch = make_batch(query_lens, context_lens, *heads, head_dim=head_dim, block_size=16, dtype=torch.float32)
+    before = cpu_native.attention_path_counts()
+    check_against_reference(batch)
+    after = cpu_native.attention_path_counts()
+    tasks = sum(query_lens) * heads[1]
+    fast = tasks if served and "avx512" in cpu_native.compiled_paths() else 0
+    assert after["avx512"] - before["avx512"] == fast
+    assert after["portable"] - before["portable"] == tasks - fast

@@ -17,6 +17,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +32,26 @@
 namespace {
 
 using pagedserve::to_float;
+
+// How many (query token, KV head) tasks each path has run since the library loaded: the tests
+// assert that a model of a served shape really took the AVX-512 path, which no output can show.
+std::atomic<int64_t> tasks_on_avx512{0};
+std::atomic<int64_t> tasks_on_portable_loop{0};
+
+// The instruction sets this build compiled paths for (-march=native decides): 1 the AVX-512
+// attention, 2 its AVX-512 BF16 dot products. A CPU whose flags promise more was built wrong.
+int64_t attention_isa() {
+  int64_t isa = 0;
+#if defined(__AVX512F__)
+  isa |= 1;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  isa |= 2;
+#endif
+  return isa;
+}
+
+std::vector<int64_t> attention_path_counts() { return {tasks_on_avx512.load(), tasks_on_portable_loop.load()}; }
 
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
@@ -246,6 +267,7 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
   const int64_t num_rows = static_cast<int64_t>(seq_of_token.size());
   at::parallel_for(0, num_rows * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    int64_t fast = 0;
     for (int64_t task = begin; task < end; ++task) {
       if (task + 1 < end) {  // the next task's K/V stream in while this one computes
         const int64_t r1 = (task + 1) / s.num_kv_heads, h1 = (task + 1) % s.num_kv_heads;
@@ -258,11 +280,15 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
       const T* value_head = values + h * head_stride;
       const int32_t* table = tables + seq_of_token[r] * s.max_blocks;
 #if defined(__AVX512F__)
-      if (attend_one_avx512<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], group, s, scale, scratch))
+      if (attend_one_avx512<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], group, s, scale, scratch)) {
+        ++fast;
         continue;
+      }
 #endif
       attend_one<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], group, s, scale, scratch);
     }
+    tasks_on_avx512 += fast;  // once per chunk of tasks: no shared counter in the loop
+    tasks_on_portable_loop += (end - begin) - fast;
   });
 }
 
@@ -313,6 +339,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor(a!) out, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
       "Tensor seq_lens, int first_seq, int end_seq, float scale) -> ()");
+  m.def("attention_isa() -> int", &attention_isa);  // no tensor to dispatch on
+  m.def("attention_path_counts() -> int[]", &attention_path_counts);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
