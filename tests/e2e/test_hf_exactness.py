@@ -41,6 +41,10 @@ CONFIGS = {
     "forced_preemption": ({"num_gpu_blocks_override": 10, "max_model_len": 160}, PROMPTS),
     "max_num_seqs_2": ({"max_num_seqs": 2}, PROMPTS),
     "block_size_8_no_chunking": ({"block_size": 8, "enable_chunked_prefill": False}, PROMPTS),
+    # auto's fallbacks where the native kernel cannot be built: the reference and the pure-torch
+    # fast path, each with prefill in chunks.
+    "torch_backend_chunked": ({"attention_backend": "torch", "max_num_batched_tokens": 16}, PROMPTS),
+    "cpu_backend_chunked": ({"attention_backend": "cpu", "max_num_batched_tokens": 16}, PROMPTS),
 }
 
 
@@ -109,5 +113,33 @@ def test_mixed_batch_of_token_id_prompts_and_lengths(model_dirs, hf_references, 
         for output, prompt in zip(outputs, prompts):
             assert output.prompt_token_ids == prompt["prompt_token_ids"]
             assert output.outputs[0].token_ids == hf_references["qwen3"].greedy(prompt["prompt_token_ids"], MAX_TOKENS)
+    finally:
+        llm.shutdown()
+
+
+# Ray TP=2 and PP=2 (worker actors, torch.distributed over gloo) crossed with the schedules that
+# fill the cache differently: prefill in chunks of 16 under constant preemption, and a shared
+# prefix's second run read from the cache.
+RAY_CONFIGS = {
+    "chunked_and_preempting": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10, "max_model_len": 160},
+    "prefix_hits": {},
+}
+
+
+@pytest.mark.parametrize("config_name", list(RAY_CONFIGS))
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_ray_parallel_matches_hf_across_schedules(ray_cluster, tp, pp, config_name, model_dirs, hf_references):
+    engine_args = {"max_model_len": 256, "dtype": "float32", **RAY_CONFIGS[config_name]}
+    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine_args)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        if config_name == "prefix_hits":
+            engine_vs_hf(llm, hf_references["llama"], PREFIX_PROMPTS)
+            outputs = engine_vs_hf(llm, hf_references["llama"], PREFIX_PROMPTS)
+            assert all(output.num_cached_tokens > 0 for output in outputs)
+        else:
+            engine_vs_hf(llm, hf_references["llama"], PROMPTS)
+            assert core.scheduler.num_preemptions_total > 0
+        assert type(core.executor).__name__ == "RayExecutor"
     finally:
         llm.shutdown()
