@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--engines", default="pagedserve,vllm")
     parser.add_argument("--num-prompts", type=int, default=64, help="per workload and rate")
-    parser.add_argument("--request-rates", default="inf,1")
+    parser.add_argument("--request-rates", default="inf,1", help="'' with --engines pagedserve: first use alone")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -133,7 +133,7 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict:
     with start_server(engine, python, server_args, engine_env(engine, args)) as server:
         report["idle_ttft_ms_first_use"] = idle_ttft_per_spec(server, seed=7)
         report["idle_ttft_ms_cached"] = idle_ttft_per_spec(server, seed=8)
-        for rate in args.request_rates.split(","):
+        for rate in filter(None, args.request_rates.split(",")):
             by_workload = {}
             by_workload["json"], lengths = run_workload(server, "json", rate, args, None)
             by_workload["json_free"], _ = run_workload(server, "json_free", rate, args, lengths)
@@ -200,7 +200,7 @@ def main() -> None:
     report["online"] = {engine: run_engine(engine, args) for engine in args.engines.split(",")}
     report["ratios"] = ratios(report)
     write_report(report, args.output)
-    if args.output:
+    if args.output and any(run["by_rate"] for run in report["online"].values()):
         plot(report, args.output.with_suffix(".png"))
 
 

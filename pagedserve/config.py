@@ -92,6 +92,11 @@ class EngineConfig(BaseModel):
         description="Grammar engine for structured outputs (json, regex, choice, grammar): xgrammar, llguidance "
         "('guidance'), or auto (xgrammar, and llguidance for a spec xgrammar does not support, such as a Lark grammar).",
     )
+    structured_outputs_prewarm: bool = Field(
+        False,
+        description="Build the grammar backend (tokenizer and vocabulary tables) in the background at start, so the "
+        "first constrained request does not wait for it; the server turns it on, offline engines build it on first use.",
+    )
     structured_outputs_compile_timeout_s: float = Field(
         30.0, gt=0, description="A grammar still compiling after this long fails its request (too costly a spec)."
     )

@@ -261,8 +261,9 @@ class ServerConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         # The server's reasoning parser also tells the engine where a grammar starts; its
-        # generation config is the engine's too.
-        shared = {"generation_config": self.generation_config}
+        # generation config is the engine's too. A server's clients send schemas: the engine
+        # builds its grammar backend at start (unless the engine settings say otherwise).
+        shared = {"generation_config": self.generation_config, "structured_outputs_prewarm": True}
         if self.reasoning_parser:
             shared["reasoning_parser"] = self.reasoning_parser
         return EngineConfig.from_kwargs(model=self.model, **{**shared, **self.engine})

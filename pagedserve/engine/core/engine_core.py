@@ -63,6 +63,8 @@ class EngineCore:
             list(self.model_config.eos_token_ids), config.structured_outputs_backend, config.structured_outputs_compile_timeout_s,
             reasoning_parser=config.reasoning_parser,
         )
+        if config.structured_outputs_prewarm:
+            self.structured_outputs.prewarm()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
