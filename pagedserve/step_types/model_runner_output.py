@@ -23,6 +23,9 @@ class ModelRunnerOutput:
     req_ids: list[str]  # the requests that sampled, in the batch's order
     sampled_token_ids: list[int]  # parallel to req_ids
     logprobs: dict[str, TokenLogprobs] | None = None  # only requests that asked for them
+    # With LoRA on: the adapters the sampling rank holds or has read, which a step can run
+    # without a file read (the scheduler holds a request back until its adapter is here).
+    ready_lora_ids: frozenset[int] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -64,6 +64,9 @@ class SchedulerOutput:
     # of word i // 32 set: token i allowed). None when no sampling request is constrained.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # LoRA: adapters that waiting requests need and the workers have not reported read; each
+    # rank starts reading them off the step (workers/lora/manager.py).
+    prefetch_loras: list[LoRARequest] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

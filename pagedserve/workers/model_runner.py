@@ -90,6 +90,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.lora_manager is None:
+            return self._execute(scheduler_output)
+        self.lora_manager.prefetch(scheduler_output.prefetch_loras)
+        output = self._execute(scheduler_output)
+        if output is not None:
+            output.ready_lora_ids = self.lora_manager.ready_ids()
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.input_batch.update(scheduler_output)
         if self.lora_manager is not None:
             self._load_adapters(scheduler_output)

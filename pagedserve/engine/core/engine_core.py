@@ -160,8 +160,9 @@ class EngineCore:
     def _run_scheduler_step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output, refused = ModelRunnerOutput.empty(), []
-        # An idle step still runs when requests ended, so the workers drop their state.
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids:
+        # An idle step still runs when requests ended, so the workers drop their state, and when
+        # adapters are being read, so they start the reads and report the ones done.
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids or scheduler_output.prefetch_loras:
             try:
                 runner_output, refused = self._execute(scheduler_output)
                 self._consecutive_failures = 0

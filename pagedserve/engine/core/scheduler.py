@@ -19,6 +19,11 @@ Structured outputs: a constrained request waits in WAITING_FOR_GRAMMAR while its
 (off the loop); the waiting ones behind it go ahead. Each step carries one bitmask row per
 constrained request that samples, and the sampled token then advances its matcher; a matcher
 that terminates ends the request (engine/structured_outputs).
+
+LoRA: a waiting request whose adapter the sampling rank has not reported read waits too, and the
+step names its adapter in `prefetch_loras`, so every rank reads it off the step; at most
+`max_loras` distinct adapters run in one step (the workers' slots), and a request beyond them
+waits. Neither ever fails a request.
 """
 
 from __future__ import annotations
@@ -30,8 +35,12 @@ from collections import deque
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, EngineCoreOutput, FinishReason
+from pagedserve.lora_request import LoRARequest
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+# Nothing to run but adapters being read: how long a step waits before asking the workers again.
+ADAPTER_POLL_S = 0.002
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
+        # Adapters the sampling rank reported resident or read: a waiting request whose adapter
+        # is not among them stays waiting while the workers read it off the step.
+        self.ready_loras: frozenset[int] = frozenset()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running
@@ -150,8 +162,9 @@ class Scheduler:
             index += 1
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
-        skipped: list[Request] = []  # their grammar is still compiling, or their adapter has no slot: the others go first
+        skipped: list[Request] = []  # their grammar is still compiling, or their adapter is not ready: the others go first
         running_loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+        prefetch: dict[int, LoRARequest] = {}  # adapters being read for the skipped requests
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._is_grammar_ready(request):
@@ -159,9 +172,15 @@ class Scheduler:
                 if not request.is_finished:  # else its grammar failed: it ended alone
                     skipped.append(request)
                 continue
-            if self.max_loras and request.lora_int_id and request.lora_int_id not in running_loras and len(running_loras) >= self.max_loras:
-                skipped.append(self.waiting.popleft())  # every adapter slot is taken: it waits, never fails
-                continue
+            if self.max_loras and request.lora_int_id and request.lora_int_id not in running_loras:
+                if request.lora_int_id not in self.ready_loras:  # the workers read it off the step meanwhile
+                    if len(prefetch) < self.max_loras:
+                        prefetch[request.lora_int_id] = request.lora_request
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if len(running_loras) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())  # every adapter slot is taken: it waits, never fails
+                    continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
@@ -186,7 +205,9 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
         total = self.max_num_batched_tokens - budget
-        output = SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted)
+        output = SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted, prefetch_loras=list(prefetch.values()))
+        if prefetch and not total:  # nothing to run but adapter reads: a short wait, not a spin
+            time.sleep(ADAPTER_POLL_S)
         if self.num_constrained:
             self._add_grammar_bitmask(output)
             if not total and skipped:  # nothing to run but compiles: wait for one, do not spin
@@ -196,6 +217,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         logprobs = runner_output.logprobs or {}
+        if runner_output.ready_lora_ids is not None:
+            self.ready_loras = runner_output.ready_lora_ids
         requests = self.requests
         outputs, self._grammar_failures = self._grammar_failures, []
         any_finished = False

@@ -45,6 +45,8 @@ def merge_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
         merged.sampled_token_ids += output.sampled_token_ids
         if output.logprobs:
             merged.logprobs = {**(merged.logprobs or {}), **output.logprobs}
+        if output.ready_lora_ids is not None:  # the last part's report is the newest
+            merged.ready_lora_ids = output.ready_lora_ids
     return merged
 
 

@@ -1,7 +1,13 @@
-"""The adapters one rank holds: loaded from their PEFT folders the first time a step brings a
-request of theirs (each rank reads its own shard), kept by recency, at most
-`max(max_loras, max_cpu_loras)`; the scheduler puts at most `max_loras` distinct adapters in one
-step, so the adapters of the step in hand are never the ones evicted.
+"""The adapters one rank holds, kept by recency, at most `max(max_loras, max_cpu_loras)`; the
+scheduler puts at most `max_loras` distinct adapters in one step, so the adapters of the step in
+hand are never the ones evicted.
+
+An adapter is read from its PEFT folder (each rank its own shard) on a thread of its own, as soon
+as a step announces it (`prefetch`: the scheduler names the adapters its waiting requests need),
+and installed at the start of the step that first runs one of its requests. The scheduler holds
+such a request back until the sampling rank reports the adapter read (`ready_ids`), so the step
+loop never waits for a disk; a rank whose read is still going when the request arrives finishes
+it then, and one that never heard of the adapter reads it in the step, as before.
 
 The weights live beside each linear layer (`layer.lora_weights`, layer_lora.py). On the CPU the
 resident adapters are the host cache; a GPU would keep `max_loras` of them in device slots and
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,6 +36,10 @@ PROJECTIONS = {
 }
 
 
+# One adapter's weights for this rank: (module, A, B) for each adapted module, and their bytes.
+Prepared = tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], int]
+
+
 class WorkerLoRAManager:
     def __init__(self, model: Any, max_lora_rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
         self.layers = model.model.layers  # this stage's decoder layers, by index (a string)
@@ -39,15 +50,31 @@ class WorkerLoRAManager:
         # low_rank_product: faster at decode sizes); a GPU keeps the model's dtype.
         self.lora_dtype = torch.float32 if device.type == "cpu" else dtype
         self.resident: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> its path, oldest first
+        self.reading: dict[int, Future] = {}  # lora_int_id -> its read, started by prefetch
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+
+    def prefetch(self, requests: list[LoRARequest]) -> None:
+        """Start reading the adapters a coming step will need, off the step (at most `capacity`
+        reads held at once: the scheduler names them again next step)."""
+        for request in requests:
+            lora_id = request.lora_int_id
+            if lora_id in self.resident or lora_id in self.reading or len(self.reading) >= self.capacity:
+                continue
+            self.reading[lora_id] = self._reader.submit(self._read, request)
+
+    def ready_ids(self) -> frozenset[int]:
+        """The adapters a step can run without reading a file: resident, or read. A failed read
+        counts too: the step that needs it reads again and reports the error where it always did."""
+        return frozenset(self.resident) | frozenset(i for i, future in self.reading.items() if future.done())
 
     def ensure(self, requests: list[LoRARequest], in_use: set[int]) -> None:
-        """Load the adapters of `requests` not yet resident, evicting the least recent ones not
-        `in_use` (the step's) beyond the capacity."""
+        """Install the adapters of `requests` not yet resident (read ahead, or read now),
+        evicting the least recent ones not `in_use` (the step's) beyond the capacity."""
         for request in requests:
             if request.lora_int_id in self.resident:
                 self.resident.move_to_end(request.lora_int_id)
                 continue
-            self._load(request)
+            self._install(request, self._take_read(request))
         for lora_id in list(self.resident):
             if len(self.resident) <= self.capacity:
                 break
@@ -61,20 +88,36 @@ class WorkerLoRAManager:
             module.lora_weights.pop(lora_id, None)
         return True
 
-    def _load(self, request: LoRARequest) -> None:
+    def _take_read(self, request: LoRARequest) -> Prepared:
+        future = self.reading.pop(request.lora_int_id, None)
+        if future is not None:
+            try:
+                return future.result()  # at once when the scheduler waited for it
+            except Exception:  # noqa: BLE001 - read again below: the step reports the error
+                logger.warning("reading LoRA adapter %s ahead of its step failed; reading it again", request.lora_name)
+        return self._read(request)
+
+    def _read(self, request: LoRARequest) -> Prepared:
+        """This rank's shard of the adapter's weights, in the dtype and on the device it runs in."""
         weights = read_adapter(check_adapter(request.lora_path, self.max_lora_rank))
         by_module: dict[tuple[str, str], dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer_index, projection), pair in weights.items():
             module_name, shard_id = PROJECTIONS[projection]
             by_module.setdefault((str(layer_index), module_name), {})[shard_id] = pair
-        num_bytes = 0
+        prepared, num_bytes = [], 0
         for (layer_index, module_name), parts in by_module.items():
             if layer_index not in self.layers:
                 continue  # another pipeline stage's layer
             module = self.layers[layer_index].get_submodule(module_name)
             a, b = (t.to(self.device, self.lora_dtype) for t in shard_for_layer(module, parts))
-            module.lora_weights[request.lora_int_id] = (a, b)
+            prepared.append((module, a, b))
             num_bytes += a.nbytes + b.nbytes
+        return prepared, num_bytes
+
+    def _install(self, request: LoRARequest, prepared: Prepared) -> None:
+        modules, num_bytes = prepared
+        for module, a, b in modules:
+            module.lora_weights[request.lora_int_id] = (a, b)
         self.resident[request.lora_int_id] = request.lora_path
         logger.info(
             "loaded LoRA adapter %s (id %d) from %s: %.1f MiB resident on this rank",

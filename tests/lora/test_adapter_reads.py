@@ -1,0 +1,83 @@
+"""Adapters are read off the step: a request whose adapter is not yet read waits while every
+rank reads it on a thread of its own, and the other requests keep decoding; the read adapter is
+then the same weights a read in the step would give, and the output stays PEFT's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.core.request import RequestStatus
+from pagedserve.workers.lora import manager as lora_manager
+from tests.lora.conftest import lora_request
+
+SLOW_READ_S = 1.0
+PROMPT = "The capital of France is Paris. The capital of Japan is"
+
+
+@pytest.fixture
+def slow_reads(monkeypatch):
+    """Every adapter read takes SLOW_READ_S longer, as from a slow disk."""
+    real = lora_manager.read_adapter
+
+    def slow(spec):
+        time.sleep(SLOW_READ_S)
+        return real(spec)
+
+    monkeypatch.setattr(lora_manager, "read_adapter", slow)
+
+
+def test_a_slow_adapter_read_holds_up_nobody(model_dirs, lora_adapters, lora_references, slow_reads):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    tokenizer = engine.get_tokenizer()
+    try:
+        engine.add_request("base", PROMPT, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        while not any(o.outputs[0].token_ids for o in engine.step()):
+            pass
+        engine.add_request("adapted", PROMPT, SamplingParams(temperature=0.0, max_tokens=8), lora_request=lora_request(lora_adapters["llama"], "all8"))
+        finals, longest_step, base_tokens_while_reading = {}, 0.0, 0
+        while engine.has_unfinished_requests():
+            reading = scheduler.requests.get("adapted") is not None and scheduler.requests["adapted"].status == RequestStatus.WAITING
+            started = time.monotonic()
+            outputs = engine.step()
+            longest_step = max(longest_step, time.monotonic() - started)
+            base_tokens_while_reading += reading * sum(1 for o in outputs if o.request_id == "base")
+            finals.update({o.request_id: o for o in outputs if o.finished})
+    finally:
+        llm.shutdown()
+    # The read took a second on the worker's reader thread; no step waited for it.
+    assert longest_step < SLOW_READ_S / 2, f"a step took {longest_step:.2f} s"
+    assert base_tokens_while_reading >= 5
+    prompt_ids = tokenizer.encode(PROMPT)
+    assert finals["adapted"].outputs[0].token_ids == lora_references[("llama", "all8")].greedy(prompt_ids, 8)
+    expected = lora_references[("llama", None)].greedy(prompt_ids, 200)  # HF stops at EOS; the base request ignores it
+    assert finals["base"].outputs[0].token_ids[: len(expected)] == expected
+
+
+def test_an_adapter_read_ahead_is_the_adapter_read_in_the_step(model_dirs, lora_adapters):
+    """The manager's two ways in give the same weights on every adapted module: read ahead
+    (prefetch, then installed by ensure) and read in the step (ensure alone, as on a rank that
+    never heard of the adapter)."""
+    request = lora_request(lora_adapters["llama"], "qv4")
+    weights = []
+    for read_ahead in (True, False):
+        llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
+        try:
+            manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
+            if read_ahead:
+                manager.prefetch([request])
+                manager.reading[request.lora_int_id].result(timeout=60)
+                assert request.lora_int_id in manager.ready_ids() and request.lora_int_id not in manager.resident
+            manager.ensure([request], set())
+            assert list(manager.resident) == [request.lora_int_id] and not manager.reading
+            weights.append([m.lora_weights[request.lora_int_id] for m in manager._modules() if request.lora_int_id in m.lora_weights])
+        finally:
+            llm.shutdown()
+    assert len(weights[0]) == len(weights[1]) > 0
+    for (a0, b0), (a1, b1) in zip(*weights):
+        assert torch.equal(a0, a1) and torch.equal(b0, b1)
