@@ -17,7 +17,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig, WorkerPlacement
 from pagedserve.engine.core.make_client import make_client
-from pagedserve.engine.core.messages import AbortRequests, AddRequest, StopRequests
+from pagedserve.engine.core.messages import AbortRequests, AddRequest, RemoveLoRA, StopRequests
 from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.metrics import EngineStats
@@ -84,9 +84,13 @@ class LLMEngine:
         return self.input_processor.loras.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its requests must name it again, by the same id and path). Workers
-        that hold its weights let them go as newer adapters need room."""
-        return self.input_processor.loras.remove(lora_int_id)
+        """Forget an adapter (its requests must name it again, by the same id and path). The
+        workers drop its weights at the next step that no running request of it is in."""
+        with self._lock:
+            removed = self.input_processor.loras.remove(lora_int_id)
+            if removed:
+                self.engine_core.send(RemoveLoRA(lora_int_id))
+        return removed
 
     def list_loras(self) -> set[int]:
         return self.input_processor.loras.list()

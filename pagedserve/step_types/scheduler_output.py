@@ -67,10 +67,16 @@ class SchedulerOutput:
     # LoRA: adapters that waiting requests need and the workers have not reported read; each
     # rank starts reading them off the step (workers/lora/manager.py).
     prefetch_loras: list[LoRARequest] = field(default_factory=list)
+    # Adapters removed in the front end: the workers drop them once no running request uses them.
+    retired_lora_ids: set[int] = field(default_factory=set)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+    @property
+    def has_lora_news(self) -> bool:
+        return bool(self.prefetch_loras or self.retired_lora_ids)
 
     @property
     def dropped_req_ids(self) -> set[str]:

@@ -93,6 +93,7 @@ class ModelRunner:
         if self.lora_manager is None:
             return self._execute(scheduler_output)
         self.lora_manager.prefetch(scheduler_output.prefetch_loras)
+        self.lora_manager.retire(scheduler_output.retired_lora_ids)
         output = self._execute(scheduler_output)
         if output is not None:
             output.ready_lora_ids = self.lora_manager.ready_ids()
@@ -125,10 +126,12 @@ class ModelRunner:
         return _to_runner_output(inputs.sampled_states, self.sampler(logits, batch))
 
     def _load_adapters(self, scheduler_output: SchedulerOutput) -> None:
-        """The adapters of the step's new requests, resident before the forward pass."""
+        """The adapters of the step's new requests, resident before the forward pass; removed
+        adapters no request of the batch uses, dropped."""
         new = [r.lora_request for r in scheduler_output.scheduled_new_reqs if r.lora_request is not None]
-        if new:
+        if new or self.lora_manager.retiring:
             in_use = {int(i) for i in self.input_batch.lora_ids[list(self.input_batch.row_of.values())] if i}
+            self.lora_manager.drop_retired(in_use)
             self.lora_manager.ensure(new, in_use)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:

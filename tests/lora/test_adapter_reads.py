@@ -81,3 +81,34 @@ def test_an_adapter_read_ahead_is_the_adapter_read_in_the_step(model_dirs, lora_
     assert len(weights[0]) == len(weights[1]) > 0
     for (a0, b0), (a1, b1) in zip(*weights):
         assert torch.equal(a0, a1) and torch.equal(b0, b1)
+
+
+def test_a_removed_adapter_leaves_the_workers_once_its_requests_end(model_dirs, lora_adapters, lora_references):
+    """remove_lora reaches the workers: a request already running under the adapter finishes under
+    it, exact; the next step after it drops the weights from every layer; named again (same id and
+    path), the adapter is read again and still exact."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    manager = engine.engine_core.engine_core.executor.worker.runner.lora_manager
+    adapter = lora_request(lora_adapters["llama"], "all8")
+    reference = lora_references[("llama", "all8")]
+    prompt_ids = engine.get_tokenizer().encode(PROMPT)
+    try:
+        engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=12), lora_request=adapter)
+        outputs = []
+        while not outputs or not outputs[-1].outputs[0].token_ids:
+            outputs = [o for o in engine.step() if o.request_id == "a"] or outputs
+        assert engine.remove_lora(adapter.lora_int_id) and adapter.lora_int_id not in engine.list_loras()
+        final = None
+        while final is None:
+            final = next((o for o in engine.step() if o.finished), None)
+            if final is None:  # still running: its weights stay
+                assert adapter.lora_int_id in manager.resident
+        assert final.outputs[0].token_ids == reference.greedy(prompt_ids, 12)
+        llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # any next step
+        assert adapter.lora_int_id not in manager.resident
+        assert not any(adapter.lora_int_id in module.lora_weights for module in manager._modules())
+        again = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12), lora_request=adapter, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == reference.greedy(prompt_ids, 12)
+    finally:
+        llm.shutdown()

@@ -21,7 +21,7 @@ import logging
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
-from pagedserve.engine.core.messages import AbortRequests, AddRequest, CoreOutputs, RefuseRequest, SchedulerGauges, StopRequests
+from pagedserve.engine.core.messages import AbortRequests, AddRequest, CoreOutputs, RefuseRequest, RemoveLoRA, SchedulerGauges, StopRequests
 from pagedserve.engine.core.model_setup import fit_max_model_len
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler import Scheduler
@@ -96,7 +96,7 @@ class EngineCore:
 
     # ---- messages from the front end -------------------------------------------------------
 
-    def handle(self, message: AddRequest | AbortRequests | StopRequests | RefuseRequest) -> None:
+    def handle(self, message: AddRequest | AbortRequests | StopRequests | RefuseRequest | RemoveLoRA) -> None:
         self.is_report_due = True
         if isinstance(message, AddRequest):
             self._add(message)
@@ -104,6 +104,8 @@ class EngineCore:
             self.scheduler.finish_requests(message.child_ids, RequestStatus.FINISHED_ABORTED)
         elif isinstance(message, StopRequests):
             self.scheduler.finish_requests(message.child_ids, RequestStatus.FINISHED_STOPPED)
+        elif isinstance(message, RemoveLoRA):
+            self.scheduler.retire_lora(message.lora_int_id)
         elif isinstance(message, RefuseRequest):
             logger.error("the front end could not send request %r: %s", message.request_id, message.reason)
             self.num_added_children += message.num_children
@@ -161,8 +163,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output, refused = ModelRunnerOutput.empty(), []
         # An idle step still runs when requests ended, so the workers drop their state, and when
-        # adapters are being read, so they start the reads and report the ones done.
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids or scheduler_output.prefetch_loras:
+        # adapters are being read or were removed (the workers start the reads and report the
+        # ones done; they drop removed adapters).
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.dropped_req_ids or scheduler_output.has_lora_news:
             try:
                 runner_output, refused = self._execute(scheduler_output)
                 self._consecutive_failures = 0

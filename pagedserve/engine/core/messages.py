@@ -66,6 +66,14 @@ class RefuseRequest:
 
 
 @dataclass
+class RemoveLoRA:
+    """An adapter the front end forgot: the workers drop its weights once no running request uses
+    it (a request already taken in still finishes under it, reading it again if it must)."""
+
+    lora_int_id: int
+
+
+@dataclass
 class ShutdownCore:
     """Leave the loop, release the workers and exit."""
 

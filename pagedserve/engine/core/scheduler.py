@@ -65,6 +65,7 @@ class Scheduler:
         # Adapters the sampling rank reported resident or read: a waiting request whose adapter
         # is not among them stays waiting while the workers read it off the step.
         self.ready_loras: frozenset[int] = frozenset()
+        self.retired_loras: set[int] = set()  # removed since the last step: the workers drop them
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running
@@ -115,6 +116,12 @@ class Scheduler:
 
     def unfinished_request_ids(self) -> list[str]:
         return [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+
+    def retire_lora(self, lora_int_id: int) -> None:
+        """An adapter the front end removed: the next step tells the workers, and until they
+        report it read again, a later request of it waits for a fresh read."""
+        self.retired_loras.add(lora_int_id)
+        self.ready_loras = self.ready_loras - {lora_int_id}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -205,7 +212,10 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
         total = self.max_num_batched_tokens - budget
-        output = SchedulerOutput(new_reqs, diffs, num_scheduled, total, finished, preempted, prefetch_loras=list(prefetch.values()))
+        retired, self.retired_loras = self.retired_loras, set()
+        output = SchedulerOutput(
+            new_reqs, diffs, num_scheduled, total, finished, preempted, prefetch_loras=list(prefetch.values()), retired_lora_ids=retired
+        )
         if prefetch and not total:  # nothing to run but adapter reads: a short wait, not a spin
             time.sleep(ADAPTER_POLL_S)
         if self.num_constrained:

@@ -51,6 +51,7 @@ class WorkerLoRAManager:
         self.lora_dtype = torch.float32 if device.type == "cpu" else dtype
         self.resident: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> its path, oldest first
         self.reading: dict[int, Future] = {}  # lora_int_id -> its read, started by prefetch
+        self.retiring: set[int] = set()  # removed in the front end; dropped once no row uses them
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
 
     def prefetch(self, requests: list[LoRARequest]) -> None:
@@ -80,6 +81,16 @@ class WorkerLoRAManager:
                 break
             if lora_id not in in_use:
                 self.remove(lora_id)
+
+    def retire(self, lora_ids: set[int]) -> None:
+        """Adapters the front end removed: dropped by `drop_retired` once no request uses them."""
+        self.retiring |= lora_ids
+
+    def drop_retired(self, in_use: set[int]) -> None:
+        for lora_id in self.retiring - in_use:
+            self.remove(lora_id)
+            self.reading.pop(lora_id, None)  # a read still going ends unheard
+        self.retiring &= in_use
 
     def remove(self, lora_id: int) -> bool:
         if self.resident.pop(lora_id, None) is None:
