@@ -112,3 +112,21 @@ def test_a_removed_adapter_leaves_the_workers_once_its_requests_end(model_dirs, 
         assert again[0].outputs[0].token_ids == reference.greedy(prompt_ids, 12)
     finally:
         llm.shutdown()
+
+
+def test_a_read_nobody_installs_never_keeps_the_others_out(model_dirs, lora_adapters):
+    """One slot: an adapter read for a request that went away (aborted while waiting) must not
+    hold the only place, or the next adapter's request would wait for ever."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
+    try:
+        manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
+        assert manager.capacity == 1
+        first, second = (lora_request(lora_adapters["llama"], name) for name in ("all8", "qv4"))
+        manager.prefetch([first])
+        manager.reading[first.lora_int_id].result(timeout=60)
+        manager.prefetch([second])  # the first's request is gone: the step names only the second
+        assert list(manager.reading) == [second.lora_int_id]
+        manager.reading[second.lora_int_id].result(timeout=60)
+        assert manager.ready_ids() == {second.lora_int_id}
+    finally:
+        llm.shutdown()

@@ -55,8 +55,16 @@ class WorkerLoRAManager:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
 
     def prefetch(self, requests: list[LoRARequest]) -> None:
-        """Start reading the adapters a coming step will need, off the step (at most `capacity`
-        reads held at once: the scheduler names them again next step)."""
+        """Start reading the adapters a coming step will need, off the step. At most `capacity`
+        reads are held: when full, finished reads this step does not name are let go (their
+        request may have been aborted; one that comes back is read again), so a read nobody
+        installs never keeps the others out. Reads that find no room start at a later step: the
+        scheduler names their adapters again."""
+        wanted = {request.lora_int_id for request in requests}
+        for lora_id in [i for i, future in self.reading.items() if future.done() and i not in wanted]:
+            if len(self.reading) < self.capacity:
+                break
+            del self.reading[lora_id]
         for request in requests:
             lora_id = request.lora_int_id
             if lora_id in self.resident or lora_id in self.reading or len(self.reading) >= self.capacity:
