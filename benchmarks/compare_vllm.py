@@ -5,8 +5,10 @@ Offline: both engines generate the same random prompts (greedy, exactly `--offli
 tokens each) in separate processes, back to back. Online: `pagedserve serve` and `vllm serve` (free
 loopback ports) are each loaded by the same `vllm bench serve --backend openai --dataset-name random
 --random-input-len 128 --random-output-len 64 --ignore-eos` at each of `--request-rates` (inf is
-saturation). Writes JSON (with the machine's CPU, its bf16 support and the load before and after)
-and a PNG of the rate sweep.
+saturation), or at each of `--max-concurrency` (a concurrency sweep at rate inf). Other workloads:
+`--online-input-len 1024 --online-output-len 128` (long prompts), `--online-prefix-len 512` (every
+prompt starts with the same 512 tokens: the prefix cache's workload). Writes JSON (with the
+machine's CPU, its bf16 support and the load before and after) and a PNG of the sweep.
 
 Outputs are checked before any figure is reported: each engine's offline process also completes
 eight natural prompts greedily, and in bf16 those completions are compared with Hugging Face's
@@ -22,6 +24,8 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online --engines pagedserve
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online \\
         --engines pagedserve,pagedserve-compiled,vllm   # offline: eager (the default) vs compiled vs vLLM
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --num-prompts 128 \
+        --max-concurrency 1,4,16,64,128   # where each server's latency knee is
 
 Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
 torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
@@ -59,6 +63,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--offline-output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=200, help="online, per request rate")
     parser.add_argument("--request-rates", default="inf,4,1")
+    parser.add_argument("--max-concurrency", default="", help="online: a concurrency sweep at rate inf (e.g. 1,8,64,256) instead of --request-rates")
+    parser.add_argument("--online-input-len", type=int, default=128, help="online prompt tokens (after the shared prefix)")
+    parser.add_argument("--online-output-len", type=int, default=64)
+    parser.add_argument("--online-prefix-len", type=int, default=0, help="online: tokens every prompt starts with")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
@@ -130,16 +138,29 @@ def check_outputs(offline: dict, args: argparse.Namespace) -> dict:
     return {engine: closeness(*hf_pair, [(p, c, c, lp) for p, c, lp in found]).summary() for engine, found in samples.items()}
 
 
-def bench_serve(server: Server, rate: str, args: argparse.Namespace, result_dir: Path) -> dict:
-    """One `vllm bench serve` run against `server` at `rate`; its result JSON's headline figures."""
-    name = f"{server.engine}_rate_{rate}.json"
+def load_points(args: argparse.Namespace) -> list[str]:
+    """The online load points: request rates ("inf", "4"), or concurrency levels ("c8": rate inf,
+    at most 8 requests in flight) with --max-concurrency."""
+    if args.max_concurrency:
+        return [f"c{level}" for level in args.max_concurrency.split(",")]
+    return args.request_rates.split(",")
+
+
+def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path) -> dict:
+    """One `vllm bench serve` run against `server` at a load point; its result JSON's headline figures."""
+    name = f"{server.engine}_load_{point}.json"
     command = [str(Path(args.peer_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
     command += ["--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model_name]
-    command += ["--tokenizer", args.model, "--dataset-name", "random", "--random-input-len", "128"]
-    command += ["--random-output-len", "64", "--num-prompts", str(args.num_prompts), "--ignore-eos"]
-    command += ["--request-rate", rate, "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    command += ["--tokenizer", args.model, "--dataset-name", "random", "--random-input-len", str(args.online_input_len)]
+    command += ["--random-output-len", str(args.online_output_len), "--random-prefix-len", str(args.online_prefix_len)]
+    command += ["--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", "0"]
+    if point.startswith("c"):
+        command += ["--request-rate", "inf", "--max-concurrency", point[1:]]
+    else:
+        command += ["--request-rate", point]
+    command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
-    print(f"[online] {server.engine} at {rate} req/s ...", file=sys.stderr, flush=True)
+    print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
     done = subprocess.run(command, env=engine_env("vllm", args), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
@@ -152,7 +173,7 @@ def bench_serve(server: Server, rate: str, args: argparse.Namespace, result_dir:
 def run_online(engine: str, args: argparse.Namespace, result_dir: Path) -> dict:
     python = sys.executable if engine == "pagedserve" else peer_python(args)
     with start_server(engine, python, args, engine_env(engine, args)) as server:
-        return {rate: bench_serve(server, rate, args, result_dir) for rate in args.request_rates.split(",")}
+        return {point: bench_serve(server, point, args, result_dir) for point in load_points(args)}
 
 
 def ratios(report: dict) -> dict:
@@ -164,9 +185,9 @@ def ratios(report: dict) -> dict:
             out[key] = round(offline["vllm"]["seconds"] / offline[ours]["seconds"], 3)
     online = report.get("online", {})
     if "pagedserve" in online and "vllm" in online:
-        for rate, ours in online["pagedserve"].items():
-            theirs = online["vllm"][rate]
-            out[f"rate_{rate}"] = {
+        for point, ours in online["pagedserve"].items():
+            theirs = online["vllm"][point]
+            out[f"concurrency_{point[1:]}" if point.startswith("c") else f"rate_{point}"] = {
                 "output_throughput": round(ours["output_throughput"] / theirs["output_throughput"], 3),
                 "median_ttft_ms_ours_over_theirs": round(ours["median_ttft_ms"] / theirs["median_ttft_ms"], 3),
                 "median_itl_ms_ours_over_theirs": round(ours["median_itl_ms"] / theirs["median_itl_ms"], 3),
