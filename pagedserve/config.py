@@ -42,7 +42,12 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        description="Most requests running at once (decode batch rows); `pagedserve serve` on the CPU defaults to 128 "
+        "(cluster/server_config.py says why).",
+    )
     num_gpu_blocks_override: int | None = Field(None, ge=1)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

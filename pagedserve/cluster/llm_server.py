@@ -47,7 +47,9 @@ class LLMServer:
         import ray
         from ray import serve
 
-        engine_config = config.engine_config()
+        import torch
+
+        engine_config = config.replica_engine_config(has_gpu=torch.cuda.is_available())
         placement = None
         if worker_bundle_indices:
             placement = WorkerPlacement(ray.util.get_current_placement_group(), tuple(worker_bundle_indices))

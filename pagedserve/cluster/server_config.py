@@ -17,6 +17,14 @@ from pagedserve.lora_request import LoRARequest
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
 
+# A server's engine on the CPU runs at most this many requests at once unless `engine.max_num_seqs`
+# says otherwise (offline engines keep EngineConfig's 256). At saturation a CPU decode step costs
+# about the same per row at 128 rows as at 200, so the cap halves the time between tokens for the
+# same throughput: 200 prompts at once on 2 Zen 4 cores, SmolLM2 bf16, ITL p50 344-376 ms against
+# 570-614 ms, 222-230 against 219-231 output tok/s, TTFT p50 12.4-12.9 against 12.0 s (two runs
+# each; docs/benchmarks.md).
+SERVER_CPU_MAX_NUM_SEQS = 128
+
 
 class AutoscalingConfig(BaseModel):
     """Autoscaling the LLMServer on engine load (cluster/autoscaling.py): replicas are added while
@@ -267,6 +275,15 @@ class ServerConfig(BaseModel):
         if self.reasoning_parser:
             shared["reasoning_parser"] = self.reasoning_parser
         return EngineConfig.from_kwargs(model=self.model, **{**shared, **self.engine})
+
+    def replica_engine_config(self, has_gpu: bool) -> EngineConfig:
+        """The engine config a replica runs (`has_gpu`: the replica's process sees a GPU): the
+        server's on a GPU, with SERVER_CPU_MAX_NUM_SEQS on the CPU unless the settings name one."""
+        engine = self.engine_config()
+        on_cpu = engine.device == "cpu" or (engine.device == "auto" and not has_gpu)
+        if on_cpu and "max_num_seqs" not in self.engine:
+            return engine.model_copy(update={"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS})
+        return engine
 
     def resolve_api_key(self) -> str | None:
         """The key clients must send: `api_key`, else the contents of `api_key_file`, else

@@ -8,7 +8,8 @@ Random rows sample by inverting their cumulative distribution at one uniform dra
 noise over the whole vocabulary); greedy rows cost an argmax and draw nothing. A seeded request
 draws its uniform from a generator seeded by (seed, output index): the token depends only on its own
 logits, seed and position, not on the batch it shares, nor on whether it was preempted or its worker
-restarted in between.
+restarted in between. Truncation (top-k, top-p, min-p) works on each row's likeliest tokens and
+sorts a row only when they do not settle it (workers/truncation.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from pagedserve.sampling_params import GREEDY_TEMPERATURE_EPS
 from pagedserve.workers.grammar_mask import apply_grammar
+from pagedserve.workers.truncation import sample_inverse_cdf, sample_truncated
 
 
 @dataclass
@@ -98,12 +100,11 @@ class Sampler:
             return values if values is None or every_row else values[rows]
 
         scaled = pick(logits) / pick(batch.temperature).unsqueeze(1)
-        if batch.top_k is not None or batch.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, pick(batch.top_k), pick(batch.top_p))
-        probs = torch.softmax(scaled, dim=-1)
-        if batch.min_p is not None:
-            probs = apply_min_p(probs, pick(batch.min_p))
-        drawn = sample_inverse_cdf(probs, self._uniforms(row_ids, batch.seeds, probs.device))
+        uniforms = self._uniforms(row_ids, batch.seeds, scaled.device)
+        if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+            drawn = sample_truncated(scaled, pick(batch.top_k), pick(batch.top_p), pick(batch.min_p), uniforms)
+        else:
+            drawn = sample_inverse_cdf(torch.softmax(scaled, dim=-1), uniforms)
         if every_row:
             return drawn
         return logits.argmax(dim=-1).index_copy_(0, rows, drawn)
@@ -119,44 +120,12 @@ class Sampler:
         return uniforms
 
 
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row i's token is the first whose cumulative probability passes uniforms[i] times the row's
-    total: one random number per row (not one per vocabulary entry), and a token of probability
-    zero can never be picked (its cumulative value equals its predecessor's)."""
-    cdf = probs.double().cumsum(dim=-1)
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
-    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    # Rounding may put a target at the very total: fall back to the last token that has mass.
-    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(tokens, last_with_mass)
-
-
 def step_seed(seed: int, output_index: int) -> int:
     """A 63-bit seed for one position of a seeded request (splitmix64 of the pair)."""
     x = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) >> 1
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        vocab = logits.shape[-1]
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        outside = cumulative <= 1 - top_p.unsqueeze(1)
-        outside[:, -1] = False  # the most likely token always stays
-        sorted_logits.masked_fill_(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _add_logit_bias(logits: torch.Tensor, bias: dict[int, tuple[list[int], list[float]]]) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.launcher import machine_defaults
-from pagedserve.cluster.server_config import ServerConfig
+from pagedserve.cluster.server_config import SERVER_CPU_MAX_NUM_SEQS, ServerConfig
+from pagedserve.config import EngineConfig
 
 TWO_CORES = {"CPU": 2.0}
 
@@ -50,3 +51,21 @@ def test_the_engine_core_gets_its_own_process_unless_said_otherwise():
     said = ServerConfig(engine={"engine_core_process": False})
     assert machine_defaults(said, TWO_CORES).engine["engine_core_process"] is False
     assert "engine_core_process" not in machine_defaults(ServerConfig(deployment={"num_replicas": 2}), TWO_CORES).engine
+
+
+@pytest.mark.parametrize(
+    "engine, has_gpu, expected",
+    [
+        ({}, False, SERVER_CPU_MAX_NUM_SEQS),  # device auto, no GPU in the replica: the CPU cap
+        ({"device": "cpu"}, True, SERVER_CPU_MAX_NUM_SEQS),
+        ({}, True, EngineConfig.model_fields["max_num_seqs"].default),  # a GPU keeps the engine's
+        ({"device": "cuda"}, False, EngineConfig.model_fields["max_num_seqs"].default),  # its workers hold the GPUs
+        ({"max_num_seqs": 256}, False, 256),  # said by the user: kept, even when it is the default
+        ({"max_num_seqs": 32, "device": "cpu"}, False, 32),
+    ],
+    ids=["cpu-auto", "cpu-explicit", "gpu", "cuda-workers", "user-256", "user-32"],
+)
+def test_a_cpu_replica_caps_its_batch_unless_told(engine, has_gpu, expected):
+    config = ServerConfig(engine=engine)
+    assert config.replica_engine_config(has_gpu=has_gpu).max_num_seqs == expected
+    assert config.engine_config().max_num_seqs == engine.get("max_num_seqs", 256)  # offline and the driver: unchanged
