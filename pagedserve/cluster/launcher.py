@@ -20,6 +20,14 @@ from pagedserve.cluster.server_config import ServerConfig
 
 APP_NAME = "pagedserve"
 
+# The KV cache of a lone CPU replica on a machine it has to itself: an eighth of the memory, at
+# most 4 GiB (vLLM's CPU default before it sized the cache itself). The engine's own default,
+# 256 MiB (tests, offline runs beside other work), holds 11.6k tokens of SmolLM2: at saturation,
+# 200 prompts of 128 + 64 tokens ran about 60 at a time and waited for the rest (TTFT p50 28.5 s
+# against vLLM's 18.5 s with 4 GiB, Zen 4; docs/benchmarks.md).
+SERVER_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
+SERVER_CPU_KV_CACHE_MEMORY_FRACTION = 1 / 8
+
 
 def serve_forever(config: ServerConfig) -> int:
     import ray
@@ -60,6 +68,7 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     beside it: two engine threads serve 1.29x the output tokens of one at saturation
     (benchmarks/results/README.md). Several replicas, a tensor- or pipeline-parallel engine, a
     GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
+    Its KV cache gets an eighth of the machine's memory, at most 4 GiB (`server_cpu_kv_cache_bytes`).
     Light steps (a few decode rows) leave one core to those processes (`light_step_cpu_threads`):
     there a second model thread gains less than the stalls it suffers cost (model_runner.StepThreads).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
@@ -71,11 +80,19 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
         return config
     cores = float(resources.get("CPU", os.cpu_count() or 1))
     update: dict = {"deployment": deployment.model_copy(update={"num_cpus": cores})}
-    engine_defaults = {"engine_core_process": True}
+    engine_defaults = {"engine_core_process": True, "kv_cache_memory_bytes": server_cpu_kv_cache_bytes()}
     if cores >= 2:
         engine_defaults["light_step_cpu_threads"] = int(cores) - 1
     update["engine"] = {**engine_defaults, **config.engine}  # what the user said wins
     return config.model_copy(update=update)
+
+
+def server_cpu_kv_cache_bytes(total_bytes: int | None = None) -> int:
+    """SERVER_CPU_KV_CACHE_MEMORY_FRACTION of the machine's memory (`total_bytes`, default: this
+    machine's), at most SERVER_CPU_KV_CACHE_MAX_BYTES."""
+    if total_bytes is None:
+        total_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(SERVER_CPU_KV_CACHE_MAX_BYTES, total_bytes * SERVER_CPU_KV_CACHE_MEMORY_FRACTION))
 
 
 def _catch_stop_signals() -> Callable[[], int]:

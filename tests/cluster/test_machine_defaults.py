@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.cluster.launcher import machine_defaults
+from pagedserve.cluster.launcher import SERVER_CPU_KV_CACHE_MAX_BYTES, machine_defaults, server_cpu_kv_cache_bytes
 from pagedserve.cluster.server_config import SERVER_CPU_MAX_NUM_SEQS, ServerConfig
 from pagedserve.config import EngineConfig
 
@@ -51,6 +51,15 @@ def test_the_engine_core_gets_its_own_process_unless_said_otherwise():
     said = ServerConfig(engine={"engine_core_process": False})
     assert machine_defaults(said, TWO_CORES).engine["engine_core_process"] is False
     assert "engine_core_process" not in machine_defaults(ServerConfig(deployment={"num_replicas": 2}), TWO_CORES).engine
+
+
+def test_a_lone_cpu_replica_gets_a_kv_cache_sized_by_the_machine_unless_told():
+    assert server_cpu_kv_cache_bytes(24 * 2**30) == 3 * 2**30  # an eighth
+    assert server_cpu_kv_cache_bytes(128 * 2**30) == SERVER_CPU_KV_CACHE_MAX_BYTES
+    assert machine_defaults(ServerConfig(), TWO_CORES).engine["kv_cache_memory_bytes"] == server_cpu_kv_cache_bytes()
+    said = ServerConfig(engine={"kv_cache_memory_bytes": 2**20})
+    assert machine_defaults(said, TWO_CORES).engine["kv_cache_memory_bytes"] == 2**20
+    assert "kv_cache_memory_bytes" not in machine_defaults(ServerConfig(deployment={"num_replicas": 2}), TWO_CORES).engine
 
 
 @pytest.mark.parametrize(
