@@ -4,7 +4,7 @@ The plain way (`apply_top_k_top_p`, kept as the reference and the fallback) sort
 logits. For 128 rows of SmolLM2's 49k vocabulary that took 340 ms on two Zen 4 cores, about as
 long as the model's whole decode step at that batch. A nucleus is nearly always small (temperature
 0.2 and top_p 0.9 keep a handful of tokens), so a row's K most likely tokens (one `topk` pass)
-usually hold every token truncation keeps: the same rows cost 58 ms that way
+usually hold every token truncation keeps: the same rows cost 11.5 ms that way
 (benchmarks/sampler_cpu.py). Whether they do follows exactly from the
 candidates alone (and, for top-p without top-k, the row's softmax denominator):
 
