@@ -23,12 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_ms, write_report  # noqa: E402
 
-from pagedserve.workers.truncation import (  # noqa: E402
-    _draw_from_candidates,
-    apply_top_k_top_p,
-    sample_inverse_cdf,
-    sample_truncated,
-)
+from pagedserve.workers.truncation import _draw_from_candidates, sample_by_sort, sample_truncated  # noqa: E402
 
 TEXTS = [
     "The history of the Roman Empire spans more than a thousand years, from the founding of the city to the fall of",
@@ -54,7 +49,7 @@ def real_logits(model_path: str) -> torch.Tensor:
 
 
 def by_sort(scaled: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    return sample_inverse_cdf(torch.softmax(apply_top_k_top_p(scaled, None, top_p), dim=-1), uniforms)
+    return sample_by_sort(scaled, None, top_p, None, uniforms)
 
 
 def measure(pool: torch.Tensor, rows: int, temperature: float, top_p: float, repeats: int) -> dict:

@@ -28,6 +28,12 @@ import torch
 # at 64, 18 ms at 128, 25 ms at 256); generation configs' top_k is 20 to 50.
 NUM_CANDIDATES = 128
 
+# exp() of a float32 below about -87 is subnormal, and subnormals are slow on x86: at temperature
+# 0.2 most of a row's 49k terms land there (SmolLM2, 256 rows: 109 ms, clamped 24 ms). Clamping
+# adds at most vocab * exp(-80) ~ 1e-30 (masked -inf logits included) to a sum of at least 1
+# (the top token's term), far below one float32 rounding.
+EXP_FLOOR = -80.0
+
 
 def sample_truncated(
     scaled: torch.Tensor,
@@ -38,20 +44,29 @@ def sample_truncated(
 ) -> torch.Tensor:
     """One token per row of temperature-scaled logits [rows, vocab], truncated by top-k, then
     top-p on the renormalised mass, then min-p (vLLM's order), drawn at `uniforms` [rows]."""
-    tokens = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
-    settled, drawn = _draw_from_candidates(scaled, top_k, top_p, min_p, uniforms)
-    tokens[settled] = drawn[settled]
+    settled, tokens = _draw_from_candidates(scaled, top_k, top_p, min_p, uniforms)
     rest = (~settled).nonzero().squeeze(1)
     if len(rest):
         def pick(values):
             return None if values is None else values[rest]
 
-        truncated = apply_top_k_top_p(scaled[rest], pick(top_k), pick(top_p))
-        probs = torch.softmax(truncated, dim=-1)
-        if min_p is not None:
-            probs = apply_min_p(probs, min_p[rest])
-        tokens[rest] = sample_inverse_cdf(probs, uniforms[rest])
+        tokens[rest] = sample_by_sort(scaled[rest], pick(top_k), pick(top_p), pick(min_p), uniforms[rest])
     return tokens
+
+
+def sample_by_sort(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """`sample_truncated` by a full sort of every row: the reference, and the way for rows the
+    candidates do not settle."""
+    probs = torch.softmax(apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
+    if min_p is not None:
+        probs = apply_min_p(probs, min_p)
+    return sample_inverse_cdf(probs, uniforms)
 
 
 def _draw_from_candidates(scaled, top_k, top_p, min_p, uniforms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +84,7 @@ def _draw_from_candidates(scaled, top_k, top_p, min_p, uniforms) -> tuple[torch.
         k = top_k.clamp(1, vocab)
         within = k <= num
         kth = values.gather(1, (k.clamp(max=num) - 1).unsqueeze(1)).squeeze(1)
-        keep &= ~within.unsqueeze(1) | (values >= kth.unsqueeze(1))
+        keep &= values >= kth.unsqueeze(1)  # all of them where k > num (kth is then the last)
         settled_by_k = within & ((values[:, -1] < kth) | torch.isneginf(kth))
         settled |= settled_by_k
         # Top-p renormalises over the top-k set: a row whose set may reach outside cannot be settled.
@@ -92,13 +107,6 @@ def _draw_from_candidates(scaled, top_k, top_p, min_p, uniforms) -> tuple[torch.
     return settled, _inverse_cdf_in_vocabulary_order(ids, relative * keep, uniforms)
 
 
-# exp() of a float32 below about -87 is subnormal, and subnormals are slow on x86: at temperature
-# 0.2 most of a row's 49k terms land there (SmolLM2, 256 rows: 109 ms, clamped 24 ms). Clamping
-# adds at most vocab * exp(-80) ~ 1e-30 (masked -inf logits included) to a sum of at least 1
-# (the top token's term), far below one float32 rounding.
-EXP_FLOOR = -80.0
-
-
 def _row_mass(scaled: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """sum(exp(x - max)) over each whole row: the softmax denominator in `relative`'s units."""
     return (scaled - row_max.unsqueeze(1)).clamp_(min=EXP_FLOOR).exp_().sum(-1)
@@ -113,8 +121,8 @@ def _inverse_cdf_in_vocabulary_order(ids: torch.Tensor, weights: torch.Tensor, u
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus (by a full
-    sort of each row: the reference, and the way for rows the candidates do not settle)."""
+    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus, by a full
+    sort of each row."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         vocab = logits.shape[-1]
