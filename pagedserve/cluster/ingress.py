@@ -175,8 +175,14 @@ class OpenAIIngress:
         except ValueError as error:
             raise APIError(400, str(error), param="lora_path") from None
         base = next(iter(self.servers))
-        lora_request = LoRARequest(body.lora_name, self.next_lora_id, path)
-        self.next_lora_id += 1  # never reused: replicas may still hold an old adapter's weights under its id
+        # Never reused, by this ingress or one restarted: replicas may still bind an old
+        # adapter's id to its folder. The hub hands them out (metrics_hub.py).
+        try:
+            lora_id = await asyncio.wait_for(self.metrics_hub.new_lora_id.remote(self.next_lora_id), METRICS_TIMEOUT_S)
+        except Exception as error:
+            raise APIError(503, f"the metrics hub, which hands out adapter ids, did not answer: {error!r}", "ServiceUnavailableError") from None
+        self.next_lora_id = lora_id + 1
+        lora_request = LoRARequest(body.lora_name, lora_id, path)
         _unwrap(await self.servers[base].check_lora.remote(lora_request))
         if body.lora_name in self.servings:  # loaded meanwhile by a concurrent call
             raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
@@ -185,9 +191,15 @@ class OpenAIIngress:
 
     @app.post("/v1/unload_lora_adapter", responses=_BODY_ROUTE_RESPONSES)
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
-        if self.adapters.pop(body.lora_name, None) is None:
+        adapter = self.adapters.pop(body.lora_name, None)
+        if adapter is None:
             raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", "NotFoundError", "lora_name")
         del self.servings[body.lora_name]
+        base, lora_request = adapter
+        try:  # every replica hears of it in its next stats report, and drops the weights
+            await asyncio.wait_for(self.metrics_hub.retire_lora.remote(base, lora_request.lora_int_id), METRICS_TIMEOUT_S)
+        except Exception as error:  # the name is gone all the same; replicas evict the weights as others need room
+            logger.warning("could not tell the replicas that LoRA adapter %r is unloaded: %r", body.lora_name, error)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", responses=_BODY_ROUTE_RESPONSES)

@@ -209,11 +209,17 @@ class LLMServer:
         end_actor()
 
     def _report_stats(self) -> None:
+        """Each second: the engine's statistics to the hub, whose reply names the adapters
+        /v1/unload_lora_adapter retired (metrics_hub.py); those this engine holds are dropped."""
         while not self._stopped.wait(STATS_REPORT_INTERVAL_S):
             try:
-                self.metrics_hub.report.remote(self.model_name, self.replica_id, self.llm.stats()).result(timeout_s=10)
+                retired = self.metrics_hub.report.remote(self.model_name, self.replica_id, self.llm.stats()).result(timeout_s=10)
             except Exception:  # the hub restarting must not take the replica down
                 logger.debug("could not report stats", exc_info=True)
+                continue
+            for lora_int_id in set(retired or ()) & self.llm.engine.list_loras():
+                self.llm.engine.remove_lora(lora_int_id)
+                logger.info("LoRA adapter %d retired by the ingress: dropped", lora_int_id)
 
     def __del__(self) -> None:
         stopped = getattr(self, "_stopped", None)

@@ -14,6 +14,7 @@ delivered to every waiting caller; `is_healthy` turns false for health checks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -183,8 +184,9 @@ class AsyncLLM:
         return self.engine.list_loras()
 
     def stats(self) -> EngineStats:
-        """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy)."""
-        return self._stats
+        """The engine's latest statistics (at most STATS_INTERVAL_S old while it is busy), with
+        its adapters counted now: an idle engine's snapshot waits for its next step."""
+        return dataclasses.replace(self._stats, num_lora_adapters=len(self.engine.list_loras()))
 
     def _raise_if_dead(self) -> None:
         reason = self.dead_reason

@@ -127,6 +127,7 @@ class LLMEngine:
         gauges = self.engine_core.gauges
         for name in vars(gauges):
             setattr(snapshot, name, getattr(gauges, name))
+        snapshot.num_lora_adapters = len(self.list_loras())
         return snapshot
 
     # ---- the step (one thread) ------------------------------------------------------------

@@ -73,6 +73,7 @@ class EngineStats:
     num_requests_running: int = _gauge("Requests being computed.")
     num_requests_waiting: int = _gauge("Requests waiting to be scheduled.")
     kv_cache_usage_perc: float = _gauge("Fraction of KV-cache blocks in use (1 means full).")
+    num_lora_adapters: int = _gauge("LoRA adapters the engine serves now (started with, loaded, or named by a request).")
     # Histograms, in seconds.
     time_to_first_token_seconds: SnapshotHistogram = _histogram("Time from arrival to the first generated token.", TTFT_BUCKETS)
     inter_token_latency_seconds: SnapshotHistogram = _histogram("Time between consecutive generated tokens.", ITL_BUCKETS)

@@ -81,6 +81,30 @@ def test_stale_replicas_keep_counters_but_not_gauges(monkeypatch):
     assert values[("pagedserve:num_requests_running", series("m", "live"))] == 1
 
 
+def test_every_replicas_report_names_its_models_retired_adapters(monkeypatch):
+    """The ingress's unload reaches replicas through their reports' replies, per model, bounded."""
+    import pagedserve.cluster.metrics_hub as hub_module
+
+    hub = MetricsHub()
+    assert hub.report("m", "r1", stats(1, 0, 0.0)) == []
+    hub.retire_lora("m", 7)
+    hub.retire_lora("m", 9)
+    assert hub.report("m", "r1", stats(1, 0, 0.0)) == [7, 9]
+    assert hub.report("m", "r2", stats(1, 0, 0.0)) == [7, 9]  # every replica, every report
+    assert hub.report("other", "r3", stats(1, 0, 0.0)) == []
+    monkeypatch.setattr(hub_module, "MAX_RETIRED_LORAS", 2)
+    hub.retire_lora("m", 11)
+    assert hub.report("m", "r1", stats(1, 0, 0.0)) == [9, 11]  # the oldest forgotten
+
+
+def test_adapter_ids_are_never_handed_out_twice():
+    """An ingress restarted counts from its --lora-modules again; the hub's ids still go up."""
+    hub = MetricsHub()
+    assert [hub.new_lora_id(4), hub.new_lora_id(5)] == [4, 5]
+    assert hub.new_lora_id(4) == 6  # a restarted ingress asking from its first free id again
+    assert hub.new_lora_id(10) == 10
+
+
 def test_label_values_are_escaped():
     hub = MetricsHub()
     hub.report('we"ird\\name', "r", stats(1, 0, 0.0))

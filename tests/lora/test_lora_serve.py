@@ -11,10 +11,11 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.server_config import ServerConfig
-from tests.cluster.conftest import deploy
+from tests.cluster.conftest import deploy, wait_until
 from tests.lora.conftest import ADAPTERS, lora_request
 
 APP, PREFIX, MODEL = "lora", "/lora", "tiny-base"
@@ -30,6 +31,8 @@ def base_url(serve_url, model_dirs, lora_adapters):
     config = ServerConfig(
         model=str(model_dirs["llama"]), served_model_name=MODEL, lora_modules=modules, lora_dirs=[str(lora_dir(lora_adapters))],
         engine={"max_model_len": MAX_MODEL_LEN, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
+        # Two replicas and power of two choices, so that requests under one adapter reach both.
+        deployment={"num_replicas": 2, "request_router": "power_of_two"},
     )
     deploy(config, APP, PREFIX)
     yield serve_url + PREFIX
@@ -78,21 +81,48 @@ def test_an_unknown_model_is_a_404(client):
     assert "no-such-adapter" in str(error.value)
 
 
+def adapters_per_replica(base_url: str) -> dict[str, float]:
+    """Each replica's count of the adapters its engine serves (/metrics, updated every second)."""
+    text = requests.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pagedserve:num_lora_adapters" and sample.labels.get("model_name") == MODEL
+    }
+
+
 def test_an_adapter_loaded_at_runtime_serves_and_unloads(base_url, client, offline, lora_adapters):
+    """Loaded, it serves exactly; unloaded, it is a 404 and every replica that held it drops it
+    (a Serve handle reaches one replica: the unload goes out through the metrics hub)."""
+    started = len(ADAPTERS)  # the --lora-modules ones, on each replica from its start
+
+    def every_replica_has(count: int) -> bool:
+        counts = adapters_per_replica(base_url)
+        return len(counts) == 2 and set(counts.values()) == {count}
+
+    wait_until(lambda: every_replica_has(started), 60, what="both replicas reporting their adapters")
     folder = lora_adapters["llama"]["qv4"]
     loaded = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(folder)}, timeout=60)
     assert loaded.status_code == 200, loaded.text
     assert "late" in {m.id for m in client.models.list().data}
     [expected] = offline.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
                                   lora_request=lora_request(lora_adapters["llama"], "qv4"))
-    got = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
-    assert got.choices[0].text == expected.outputs[0].text
+
+    def on_every_replica() -> bool:  # each request lands on either replica (power of two choices)
+        got = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+        assert got.choices[0].text == expected.outputs[0].text
+        return every_replica_has(started + 1)
+
+    wait_until(on_every_replica, 60, interval=0.2, what="the loaded adapter on both replicas", details=lambda: str(adapters_per_replica(base_url)))
     again = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(folder)}, timeout=60)
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
     assert requests.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
     assert "late" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", prompt="Hi", max_tokens=2)
+    wait_until(lambda: every_replica_has(started), 30, interval=0.2,
+               what="every replica dropping the unloaded adapter", details=lambda: str(adapters_per_replica(base_url)))
     gone = requests.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
     assert gone.status_code == 404
 
