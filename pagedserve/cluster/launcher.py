@@ -64,16 +64,17 @@ def serve_forever(config: ServerConfig) -> int:
 def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> ServerConfig:
     """On a local Ray cluster this command started, nothing else runs: a single CPU engine
     replica whose `deployment.num_cpus` was not set gets every core Ray counts (Ray then gives the
-    engine as many torch threads). Measured on a 2-core machine with Serve's proxy and the ingress
-    beside it: two engine threads serve 1.29x the output tokens of one at saturation
-    (benchmarks/results/README.md). Several replicas, a tensor- or pipeline-parallel engine, a
+    engine as many torch threads). Measured on a 2-core Zen 4 with Serve's proxy and the ingress
+    beside it, these defaults against none of them (one thread, in process) serve 1.35x the output
+    tokens at saturation, with ITL p50 at 1 req/s 22.7 against 30.6 ms
+    (benchmarks/results/server_defaults/). Several replicas, a tensor- or pipeline-parallel engine, a
     GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
     Its KV cache gets an eighth of the machine's memory, at most 4 GiB (`server_cpu_kv_cache_bytes`).
     Light steps (a few decode rows) leave one core to those processes (`light_step_cpu_threads`):
     there a second model thread gains less than the stalls it suffers cost (model_runner.StepThreads).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
-    wait on the GIL behind Serve's event loop: at 1 req/s on 2 cores, ITL p50 36.7 ms against 50.7
-    in one process (benchmarks/results/README.md)."""
+    wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 22.7 ms against 25.5 in one
+    process (the same files)."""
     deployment, engine = config.deployment, config.engine_config()
     is_gpu = engine.device == "cuda" or (engine.device == "auto" and resources.get("GPU", 0) > 0)
     if "num_cpus" in deployment.model_fields_set or is_gpu or engine.world_size > 1 or deployment.max_num_replicas > 1:

@@ -12,8 +12,8 @@ binds to another folder."""
 from __future__ import annotations
 
 import time
-from dataclasses import Field, fields
 from collections import OrderedDict
+from dataclasses import Field, fields
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest

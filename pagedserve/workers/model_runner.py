@@ -153,8 +153,9 @@ class StepThreads:
     rows is mostly a read of the weights, which a second thread speeds up less than the per-token
     work of a server's other processes (the Serve replica, ingress and proxy) slows it down when
     they take one of its cores mid-step: the model's threads wait for each other at every op.
-    Measured on 2 cores, SmolLM2-135M bf16 at 1 req/s: ITL p50 38.7 ms with one thread against
-    50.7 with two (benchmarks/results/README.md)."""
+    Measured on a 2-core Zen 4, SmolLM2-135M bf16 at 1 req/s under `pagedserve serve`: ITL p50
+    22.7 ms with one thread for light steps against 25.3 with two
+    (benchmarks/results/server_defaults/)."""
 
     LIGHT_STEP_TOKENS = 16
 

@@ -15,6 +15,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def metric_per_replica(base_url: str, name: str, model: str | None = None) -> dict[str, float]:
+    """A sample's value in /metrics for each replica (its `replica` label), of `model` if named.
+    The hub hears from each replica every second."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and model in (None, sample.labels.get("model_name"))
+    }
+
+
 def deploy(config, name: str, route_prefix: str) -> None:
     from ray import serve
 

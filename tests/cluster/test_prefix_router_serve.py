@@ -14,7 +14,7 @@ import requests
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.server_config import ServerConfig
-from tests.cluster.conftest import deploy, wait_until
+from tests.cluster.conftest import deploy, metric_per_replica, wait_until
 
 MODEL = "tiny-routed"
 APP = "prefix-router-test"
@@ -54,16 +54,7 @@ def offline(model_dirs):
 
 
 def per_replica(base_url: str, name: str) -> dict[str, float]:
-    """A counter's value for each replica (its `replica` label)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(f"{base_url}/metrics", timeout=10).text
-    return {
-        sample.labels["replica"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and sample.labels.get("model_name") == MODEL
-    }
+    return metric_per_replica(base_url, name, MODEL)
 
 
 def queries_settled(base_url: str, total: float) -> dict[str, float] | None:

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
-from tests.cluster.conftest import wait_until
+from tests.cluster.conftest import metric_per_replica, wait_until
 
 APP = "scaly"
 
@@ -51,15 +51,7 @@ class ServeRestApi:
 
 def generation_tokens(base_url: str) -> dict[str, float]:
     """Each replica's engine counter of generated tokens (it starts at 0 with the engine)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(f"{base_url}/metrics", timeout=10).text
-    return {
-        sample.labels["replica"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pagedserve:generation_tokens_total"
-    }
+    return metric_per_replica(base_url, "pagedserve:generation_tokens_total")
 
 
 def complete(base_url: str) -> dict:

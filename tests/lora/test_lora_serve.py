@@ -11,11 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.server_config import ServerConfig
-from tests.cluster.conftest import deploy, wait_until
+from tests.cluster.conftest import deploy, metric_per_replica, wait_until
 from tests.lora.conftest import ADAPTERS, lora_request
 
 APP, PREFIX, MODEL = "lora", "/lora", "tiny-base"
@@ -82,14 +81,8 @@ def test_an_unknown_model_is_a_404(client):
 
 
 def adapters_per_replica(base_url: str) -> dict[str, float]:
-    """Each replica's count of the adapters its engine serves (/metrics, updated every second)."""
-    text = requests.get(f"{base_url}/metrics", timeout=10).text
-    return {
-        sample.labels["replica"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pagedserve:num_lora_adapters" and sample.labels.get("model_name") == MODEL
-    }
+    """Each replica's count of the adapters its engine serves."""
+    return metric_per_replica(base_url, "pagedserve:num_lora_adapters", MODEL)
 
 
 def test_an_adapter_loaded_at_runtime_serves_and_unloads(base_url, client, offline, lora_adapters):

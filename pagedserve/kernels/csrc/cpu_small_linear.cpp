@@ -6,8 +6,8 @@
 // the weight front to back, one row at a time (one sequential stream, which the hardware
 // prefetcher follows best), dots each 32-element piece with every input row held in L1 (AVX-512
 // BF16 pair dot products into float32), and reduces each output once at the end. Measured on
-// SmolLM2-135M's layers, one or two threads: 1.2-1.4x oneDNN's packed GEMM at one to three rows,
-// about even at four (benchmarks/results/cpu_small_linear.json).
+// SmolLM2-135M's layers, one or two threads: 1.1-1.6x oneDNN's packed GEMM at one to three rows,
+// 0.98x (one thread) to 1.46x (two) at four (benchmarks/results/cpu_small_linear.json).
 //
 // Each output is the same sum in the same order whatever the number of rows, so a row's result
 // does not depend on what it is batched with. Machines without AVX-512 BF16 do not use it

@@ -11,7 +11,8 @@ A bfloat16 layer also keeps its plain weight where the native small-batch kernel
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
 the weight faster through it than through oneDNN. That costs a second copy of the linear weights
 in memory (212 MB for SmolLM2-135M; the LM head's plain weight is the embedding's) for a light
-decode step's forward 1.1-1.45x faster (benchmarks/results/cpu_small_linear.json).
+decode step's forward 1.2-1.7x faster at one to three rows and 1.06x at four, on one or two
+threads of a 2-core Zen 4 (benchmarks/results/cpu_small_linear.json).
 """
 
 from __future__ import annotations
