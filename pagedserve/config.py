@@ -62,7 +62,7 @@ class EngineConfig(BaseModel):
     light_step_cpu_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads for a CPU step of at most 16 tokens (decode at light load), fewer than "
+        description="torch threads for a CPU step of at most 4 tokens (decode at light load), fewer than "
         "num_cpu_threads so that a server's other processes get a core without stalling the model's threads; "
         "default: the same as every other step. `pagedserve serve` sets it on a machine it has to itself.",
     )

@@ -153,11 +153,13 @@ class StepThreads:
     rows is mostly a read of the weights, which a second thread speeds up less than the per-token
     work of a server's other processes (the Serve replica, ingress and proxy) slows it down when
     they take one of its cores mid-step: the model's threads wait for each other at every op.
-    Measured on a 2-core Zen 4, SmolLM2-135M bf16 at 1 req/s under `pagedserve serve`: ITL p50
-    22.7 ms with one thread for light steps against 25.3 with two
-    (benchmarks/results/server_defaults/)."""
+    From a dozen rows on, the second thread wins. Measured on a 2-core Zen 4, SmolLM2-135M bf16
+    under `pagedserve serve` (benchmarks/results/server_defaults/), one thread up to 4 tokens
+    against two everywhere: ITL p50 at 1 req/s 18.6-19.2 against 22.2-25.3 ms, output throughput
+    at saturation 233-240 against 239-240 tok/s; with the limit at 16 tokens, saturation lost a
+    tenth (212-213 tok/s: the last dozen requests of a burst decoded on one thread)."""
 
-    LIGHT_STEP_TOKENS = 16
+    LIGHT_STEP_TOKENS = 4
 
     def __init__(self, full: int, light: int):
         self.full, self.light = full, min(light, full)

@@ -26,8 +26,8 @@ def test_num_cpu_threads_below_one_is_refused(model_dirs):
 
 
 def test_light_steps_run_on_fewer_threads_and_stay_exact(model_dirs, hf_references):
-    """`light_step_cpu_threads`: prefill chunks over 16 tokens on every thread, decode steps of a
-    few rows on fewer; float32 greedy output still equals Hugging Face's."""
+    """`light_step_cpu_threads`: prefill chunks and steps of many rows on every thread, decode
+    steps of a few rows (three prompts) on fewer; float32 greedy output still equals Hugging Face's."""
     from tests.e2e.test_hf_exactness import PROMPTS, engine_vs_hf
 
     before = torch.get_num_threads()
@@ -38,6 +38,7 @@ def test_light_steps_run_on_fewer_threads_and_stay_exact(model_dirs, hf_referenc
         original = threads.set_for
         threads.set_for = lambda num_tokens: (original(num_tokens), seen.append((num_tokens, torch.get_num_threads())))
         engine_vs_hf(llm, hf_references["llama"], PROMPTS)
+        engine_vs_hf(llm, hf_references["llama"], PROMPTS[:3])
         assert {n for tokens, n in seen if tokens > StepThreads.LIGHT_STEP_TOKENS} == {2}
         assert {n for tokens, n in seen if tokens <= StepThreads.LIGHT_STEP_TOKENS} == {1}
         llm.shutdown()
@@ -51,7 +52,8 @@ def test_step_threads_change_only_when_the_step_size_class_does(monkeypatch):
     threads = StepThreads(full=4, light=8)  # never more than the full count
     assert threads.light == 4
     threads = StepThreads(full=4, light=1)
-    for num_tokens in (512, 3, 2, 17, 16, 300):
+    light = StepThreads.LIGHT_STEP_TOKENS
+    for num_tokens in (512, light - 1, light - 2, light + 1, light, 300):
         threads.set_for(num_tokens)
     assert calls == [1, 4, 1, 4]
 
