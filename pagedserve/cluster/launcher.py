@@ -65,15 +65,15 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     """On a local Ray cluster this command started, nothing else runs: a single CPU engine
     replica whose `deployment.num_cpus` was not set gets every core Ray counts (Ray then gives the
     engine as many torch threads). Measured on a 2-core Zen 4 with Serve's proxy and the ingress
-    beside it, these defaults against none of them (one thread, in process) serve 1.35x the output
-    tokens at saturation, with ITL p50 at 1 req/s 22.7 against 30.6 ms
+    beside it, these defaults against none of them (one thread, in process) serve 1.4-1.5x the
+    output tokens at saturation, with ITL p50 at 1 req/s 19 against 30.6 ms
     (benchmarks/results/server_defaults/). Several replicas, a tensor- or pipeline-parallel engine, a
     GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
     Its KV cache gets an eighth of the machine's memory, at most 4 GiB (`server_cpu_kv_cache_bytes`).
     Light steps (a few decode rows) leave one core to those processes (`light_step_cpu_threads`):
     there a second model thread gains less than the stalls it suffers cost (model_runner.StepThreads).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
-    wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 22.7 ms against 25.5 in one
+    wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 19 ms against 23.7 in one
     process (the same files)."""
     deployment, engine = config.deployment, config.engine_config()
     is_gpu = engine.device == "cuda" or (engine.device == "auto" and resources.get("GPU", 0) > 0)
