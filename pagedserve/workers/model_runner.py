@@ -153,12 +153,12 @@ class StepThreads:
     rows is mostly a read of the weights, which a second thread speeds up less than the per-token
     work of a server's other processes (the Serve replica, ingress and proxy) slows it down when
     they take one of its cores mid-step: the model's threads wait for each other at every op.
-    From a dozen rows on, the second thread wins. Measured on a 2-core Zen 4, SmolLM2-135M bf16
+    Past a few rows the second thread wins. Measured on a 2-core Zen 4, SmolLM2-135M bf16
     under `pagedserve serve` (benchmarks/results/server_defaults/), one thread up to 4 tokens
     against two everywhere: ITL p50 at 1 req/s 18.9-19.1 against 22.2-25.3 ms, output throughput
     at saturation 220-235 against 239-240 tok/s. With the limit at 16 tokens saturation gave
-    212-213 tok/s: the last dozen requests of a burst decoded on one thread (those runs are in
-    git history before commit 5c62dd7)."""
+    212-213 tok/s, likely the last wave of a burst decoding on one thread (those runs are in git
+    history before commit 5c62dd7)."""
 
     LIGHT_STEP_TOKENS = 4
 
