@@ -99,7 +99,7 @@ def serving_options(config: ServerConfig) -> Any:
     """The OpenAI front end's settings from the server's config."""
     from pagedserve.cluster.serving_options import ServingOptions
 
-    names = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "generation_config")
+    names = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "generation_config", "engine_transport")
     return ServingOptions(**{name: getattr(config, name) for name in names})
 
 

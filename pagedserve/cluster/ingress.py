@@ -131,7 +131,7 @@ class OpenAIIngress:
             served = options.get(name, ServingOptions())
             defaults = _generation_defaults(handle, served.generation_config)
             self.servings[name] = OpenAIServing(
-                name, ServeEngineClient(handle), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
+                name, ServeEngineClient(handle, served.engine_transport), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
             )
         self.adapters: dict[str, tuple[str, LoRARequest]] = {}
         self.lora_dirs = list(lora_dirs or [])
@@ -271,7 +271,7 @@ class OpenAIIngress:
         """Serve `name`: the base model's front end, with the adapter beside each prompt."""
         base_serving = self.servings[base]
         self.servings[name] = OpenAIServing(
-            name, ServeEngineClient(self.servers[base]), base_serving.limits, base_serving.renderer, base_serving.options,
+            name, ServeEngineClient(self.servers[base], base_serving.options.engine_transport), base_serving.limits, base_serving.renderer, base_serving.options,
             base_serving.defaults, lora_request,
         )
         self.adapters[name] = (base, lora_request)

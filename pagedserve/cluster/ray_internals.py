@@ -9,6 +9,8 @@ What is here, and who uses it:
   (handover_router.py, prefix_router.py).
 - `own_internal_request_id`: sets Serve's private request context (serve_engine_client.py).
 - `is_stopped_by_serve`: reads the text of the actor error `ray.kill` leaves (serve_engine_client.py).
+- `actor_death`: the GCS's record of why an actor died, from Ray's private state API (the same
+  question over Serve's gRPC transport, where the error says only "unavailable").
 - `SigtermHook`: replaces the exit function Ray's SIGTERM handler looks up in its module's
   globals (llm_server.py; the why is in replica_drain.py's note).
 """
@@ -79,6 +81,24 @@ def is_stopped_by_serve(error: BaseException) -> bool:
     """A replica's actor error because Serve's controller ended it (`ray.kill` after the
     graceful-shutdown period), as opposed to a crash (a killed process, a lost node)."""
     return RAY_KILL_ERROR_TEXT in str(error)
+
+
+def actor_death(actor_id: str) -> str | None:
+    """Why the actor `actor_id` (hex) is not serving, as the GCS records it: the reason's name
+    (`RAY_KILL`, `WORKER_DIED`, `NODE_DIED`, ...) once it is dead, `RESTARTING` while Ray restarts
+    it, None while the GCS still holds it alive (or does not know it). A blocking GCS call."""
+    from ray._private import state
+    from ray.core.generated import common_pb2
+
+    info = state.actors(actor_id=actor_id)
+    if not info or info.get("State") not in ("DEAD", "RESTARTING"):
+        return None
+    if info["State"] == "RESTARTING":
+        return "RESTARTING"
+    cause = info["DeathCause"]
+    if cause.WhichOneof("context") != "actor_died_error_context":
+        return cause.WhichOneof("context") or "UNSPECIFIED"
+    return common_pb2.ActorDiedErrorContext.Reason.Name(cause.actor_died_error_context.reason)
 
 
 class SigtermHook:

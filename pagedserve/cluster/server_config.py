@@ -204,6 +204,11 @@ class ServerConfig(BaseModel):
         description="A stream's tokens that pile up while one chunk is sent go out merged in the next; an idle "
         "stream's go out at once. >0: also wait this long after each chunk (fewer, larger chunks).",
     )
+    engine_transport: Literal["grpc", "actor"] = Field(
+        "grpc",
+        description="How the ingress reaches the LLMServer replicas: 'grpc' (Serve's gRPC transport; calls whose arguments "
+        "pickle past 1 MiB go as 'actor' calls) or 'actor' (Ray's actor calls and object store).",
+    )
     # The OpenAI front end (vLLM's flags; docs/structured-outputs.md).
     enable_auto_tool_choice: bool = Field(
         False, description='tool_choice "auto": free generation, then --tool-call-parser finds the calls in the text.'

@@ -1,6 +1,6 @@
 """The OpenAI front end's settings that come from the server's config (ServerConfig's fields of
-the same names, vLLM's flags): tool-call and reasoning parsers, and where request defaults come
-from. The ingress holds one per served model."""
+the same names, vLLM's flags): tool-call and reasoning parsers, where request defaults come
+from, and how the engine is reached. The ingress holds one per served model."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class ServingOptions:
     tool_call_parser: str | None = None  # tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # reasoning_parsers.REASONING_PARSERS
     generation_config: str = "auto"  # "auto": the model folder's generation_config.json; "vllm": none; or a folder
+    engine_transport: str = "grpc"  # how the ingress calls the LLMServer replicas (serve_engine_client.TRANSPORTS)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cluster.ray_internals import ALLOW_UNTESTED_RAY_ENV, UntestedRayError, check_ray_version, is_stopped_by_serve
+from pagedserve.cluster.ray_internals import (
+    ALLOW_UNTESTED_RAY_ENV,
+    UntestedRayError,
+    actor_death,
+    check_ray_version,
+    is_stopped_by_serve,
+)
 from tests.cluster.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +81,32 @@ def test_an_actor_ended_by_ray_kill_reads_as_stopped_and_a_crash_does_not(ray_cl
         ray.get(crashed.crash.remote(), timeout=60)
     assert is_stopped_by_serve(stopped)
     assert not is_stopped_by_serve(died.value)
+
+
+
+def test_the_gcs_records_ray_kill_as_the_death_of_a_killed_actor_only(ray_cluster):
+    """What ServeEngineClient asks over Serve's gRPC transport, whose errors carry no such text:
+    `actor_death` reads the GCS's record of a killed actor, a crashed one, and a live one."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Sleeper:
+        def ping(self) -> bool:
+            return True
+
+        def crash(self) -> None:
+            os._exit(1)
+
+    killed, crashed, alive = Sleeper.remote(), Sleeper.remote(), Sleeper.remote()
+    assert ray.get([actor.ping.remote() for actor in (killed, crashed, alive)]) == [True] * 3
+    ray.kill(killed, no_restart=True)
+    crashed.crash.remote()
+    deaths = {
+        name: wait_until(lambda actor=actor: actor_death(actor._actor_id.hex()), timeout=60, what=f"the {name} actor's death record")
+        for name, actor in (("killed", killed), ("crashed", crashed))
+    }
+    assert deaths == {"killed": "RAY_KILL", "crashed": "WORKER_DIED"}
+    assert actor_death(alive._actor_id.hex()) is None
 
 
 def _actor_error(actor) -> BaseException | None:
