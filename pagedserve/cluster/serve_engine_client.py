@@ -94,16 +94,20 @@ class ServeEngineClient:
         actor_id = getattr(error, "actor_id", None)
         if is_stopped_by_serve(error) or not actor_id:
             return is_stopped_by_serve(error)
-        if actor_id not in self._deaths:
+        look = self._deaths.get(actor_id)
+        if look is None:
             if len(self._deaths) > 64:  # replicas long gone
                 self._deaths = {key: look for key, look in self._deaths.items() if not look.done()}
-            self._deaths[actor_id] = asyncio.ensure_future(_death_reason(actor_id))
-        return await asyncio.shield(self._deaths[actor_id]) == "RAY_KILL"
+            look = self._deaths[actor_id] = asyncio.ensure_future(_death_reason(actor_id))
+        reason = await asyncio.shield(look)
+        if reason is None and self._deaths.get(actor_id) is look:
+            del self._deaths[actor_id]  # it read as alive: its later end is asked about afresh
+        return reason == "RAY_KILL"
 
 
 def grpc_errors() -> tuple[type[BaseException], ...]:
     """What a call over Serve's gRPC transport raises when gRPC itself fails (a message past its
-    size limit, a cut connection while the replica lives on)."""
+    size limit, an internal error). A lost connection is Ray's ActorUnavailableError instead."""
     import grpc
 
     return (grpc.aio.AioRpcError,)

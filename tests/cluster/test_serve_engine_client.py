@@ -135,3 +135,15 @@ def test_a_grpc_failure_is_a_503_naming_its_code_not_a_500():
     assert items[0] == "a"
     assert isinstance(items[1], ErrorInfo) and items[1].status == 503
     assert "gRPC RESOURCE_EXHAUSTED" in items[1].message
+
+
+def test_a_replica_that_read_as_alive_is_asked_about_again_when_it_ends(monkeypatch):
+    """A stream cut while the GCS still held its replica alive (lost for that stream) must not
+    make the replica's later stop read as a crash."""
+    deaths = iter([None, "RAY_KILL"])
+    monkeypatch.setattr(serve_engine_client, "DEATH_RECORD_WAIT_S", 0.0)
+    monkeypatch.setattr(serve_engine_client, "actor_death", lambda actor_id: next(deaths))
+    client = ServeEngineClient(FakeHandle([ActorUnavailableError("gone", ACTOR_ID)]))
+    first, second = run(client), run(client)
+    assert isinstance(first[0], ErrorInfo) and "died" in first[0].message
+    assert second == [Handover()]
