@@ -64,15 +64,7 @@ def test_an_actor_ended_by_ray_kill_reads_as_stopped_and_a_crash_does_not(ray_cl
     import ray
     from ray.exceptions import RayActorError
 
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class Sleeper:
-        def ping(self) -> bool:
-            return True
-
-        def crash(self) -> None:
-            os._exit(1)
-
-    killed, crashed = Sleeper.remote(), Sleeper.remote()
+    killed, crashed = _sleepers(2)
     assert ray.get([killed.ping.remote(), crashed.ping.remote()]) == [True, True]
     ray.kill(killed, no_restart=True)
     # `ray.kill` only asks the GCS: a call sent at once may still run (a CI run saw one answer).
@@ -83,10 +75,25 @@ def test_an_actor_ended_by_ray_kill_reads_as_stopped_and_a_crash_does_not(ray_cl
     assert not is_stopped_by_serve(died.value)
 
 
-
 def test_the_gcs_records_ray_kill_as_the_death_of_a_killed_actor_only(ray_cluster):
     """What ServeEngineClient asks over Serve's gRPC transport, whose errors carry no such text:
     `actor_death` reads the GCS's record of a killed actor, a crashed one, and a live one."""
+    import ray
+
+    killed, crashed, alive = _sleepers(3)
+    assert ray.get([actor.ping.remote() for actor in (killed, crashed, alive)]) == [True] * 3
+    ray.kill(killed, no_restart=True)
+    crashed.crash.remote()
+    deaths = {
+        name: wait_until(lambda actor=actor: actor_death(actor._actor_id.hex()), timeout=60, what=f"the {name} actor's death record")
+        for name, actor in (("killed", killed), ("crashed", crashed))
+    }
+    assert deaths == {"killed": "RAY_KILL", "crashed": "WORKER_DIED"}
+    assert actor_death(alive._actor_id.hex()) is None
+
+
+def _sleepers(count: int) -> list:
+    """`count` idle actors that answer `ping` and die at once on `crash`, never restarted."""
     import ray
 
     @ray.remote(num_cpus=0, max_restarts=0)
@@ -97,16 +104,7 @@ def test_the_gcs_records_ray_kill_as_the_death_of_a_killed_actor_only(ray_cluste
         def crash(self) -> None:
             os._exit(1)
 
-    killed, crashed, alive = Sleeper.remote(), Sleeper.remote(), Sleeper.remote()
-    assert ray.get([actor.ping.remote() for actor in (killed, crashed, alive)]) == [True] * 3
-    ray.kill(killed, no_restart=True)
-    crashed.crash.remote()
-    deaths = {
-        name: wait_until(lambda actor=actor: actor_death(actor._actor_id.hex()), timeout=60, what=f"the {name} actor's death record")
-        for name, actor in (("killed", killed), ("crashed", crashed))
-    }
-    assert deaths == {"killed": "RAY_KILL", "crashed": "WORKER_DIED"}
-    assert actor_death(alive._actor_id.hex()) is None
+    return [Sleeper.remote() for _ in range(count)]
 
 
 def _actor_error(actor) -> BaseException | None:
