@@ -55,6 +55,8 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.parallel = init_parallel_context(self.rank, self.engine_config, distributed_init_method, backend)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": this process's GPU (a Ray worker sees only its own)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             self._free_memory_at_start = torch.cuda.mem_get_info()[0]  # before any weight loads

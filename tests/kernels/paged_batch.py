@@ -89,7 +89,7 @@ def random_lengths(num_decodes: int, num_prefills: int, max_context: int, max_qu
     cached context (chunked prefill or prefix hits) and some without."""
     gen = torch.Generator().manual_seed(seed)
     decode_ctx = sorted((int(x) for x in torch.randint(0, max_context, (num_decodes,), generator=gen)), reverse=True)
-    prefill_q = [int(x) for x in torch.randint(2, max_query + 1, (num_prefills,), generator=gen)]
+    prefill_q = [int(x) for x in torch.randint(2, max(max_query, 2) + 1, (num_prefills,), generator=gen)]
     prefill_ctx = [int(x) if i % 2 else 0 for i, x in enumerate(torch.randint(0, max_context, (num_prefills,), generator=gen))]
     return [1] * num_decodes + prefill_q, decode_ctx + prefill_ctx
 
