@@ -71,12 +71,18 @@ class KVCacheBlock:
 
 
 class BlockPool:
+    """Blocks are made on first use: until then a block is only an id above `_next_fresh`, free
+    and ahead of every freed block in allocation order (as if the free queue started with all of
+    them in id order). A GPU's share of memory holds millions of a small model's blocks (16
+    million for a tiny test model at 0.9 of an H200): one object each took minutes to make."""
+
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # Blocks with ref_cnt 0, least recently freed first. An OrderedDict gives O(1) removal of a
-        # revived block from the middle.
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks: list[KVCacheBlock] = []  # made so far: ids 0 .. len - 1
+        self._next_fresh = 0  # ids from here up were never allocated
+        # Blocks freed after use (ref_cnt 0), least recently freed first. An OrderedDict gives
+        # O(1) removal of a revived block from the middle.
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         # The prefix cache: full blocks registered under their hash (freed ones too, until evicted).
         self.registered_blocks: dict[BlockHash, KVCacheBlock] = {}
         # Eviction reporting for prefix-aware routing: the routing keys of the latest evicted
@@ -88,23 +94,43 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_blocks - self._next_fresh + len(self.free_queue)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def block(self, block_id: int) -> KVCacheBlock:
+        """The block with this id, made if it was never used."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} of {self.num_blocks}")
+        while len(self.blocks) <= block_id:
+            self.blocks.append(KVCacheBlock(len(self.blocks)))
+        return self.blocks[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id >= self._next_fresh or block_id in self.free_queue
+
+    def free_block_ids(self) -> list[int]:
+        """Every free id in allocation order (for tests and checks: it lists them all)."""
+        return list(range(self._next_fresh, self.num_blocks)) + list(self.free_queue)
+
     def get_registered_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.registered_blocks.get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Fresh blocks (ref_cnt 1) from the front of the free queue, evicting their old hashes."""
+        """Fresh blocks (ref_cnt 1): never-used ids first, then the front of the free queue,
+        evicting their old hashes."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free")
         blocks = []
         for _ in range(num_blocks):
-            _, block = self.free_queue.popitem(last=False)
-            self._evict(block)
+            if self._next_fresh < self.num_blocks:
+                block = self.block(self._next_fresh)
+                self._next_fresh += 1
+            else:
+                _, block = self.free_queue.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks

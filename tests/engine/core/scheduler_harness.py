@@ -175,7 +175,7 @@ def _check_blocks(sched: Scheduler, scheduled: dict[str, int]) -> None:
     for block in pool.blocks:
         users = owners.get(block.block_id, [])
         assert block.ref_cnt == len(users) >= 0
-        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+        assert pool.is_free(block.block_id) == (block.ref_cnt == 0)
         if block.block_hash is not None:
             assert pool.registered_blocks[block.block_hash] is block
         if len(users) > 1:  # only a prefix-cached block at the same place in each prompt

@@ -126,7 +126,7 @@ def test_allocate_returns_none_and_changes_nothing_when_short():
     assert kv.pool.num_free_blocks == 1
     assert kv.get_block_ids("b") == []
     assert kv.get_block_ids("a") == [0, 1, 2]
-    assert [blk.ref_cnt for blk in kv.pool.blocks] == [1, 1, 1, 0]
+    assert [kv.pool.block(i).ref_cnt for i in range(4)] == [1, 1, 1, 0]
 
 
 def test_allocate_counts_revived_hit_blocks_against_free_blocks():
@@ -214,7 +214,7 @@ def test_free_returns_every_block_tail_first():
     _compute(kv, a)  # blocks 0, 1, 2; block 3 free
     kv.free(a)
     assert kv.pool.num_free_blocks == 4
-    assert list(kv.pool.free_queue) == [3, 2, 1, 0]  # the prefix is evicted last
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]  # the prefix is evicted last
     assert kv.get_block_ids("a") == [] and "a" not in kv.num_registered_blocks
 
 
