@@ -130,3 +130,18 @@ def test_a_read_nobody_installs_never_keeps_the_others_out(model_dirs, lora_adap
         assert manager.ready_ids() == {second.lora_int_id}
     finally:
         llm.shutdown()
+
+
+def test_the_reader_thread_runs_torch_on_one_thread(model_dirs, lora_adapters):
+    """A reader thread whose torch ops used a team of OpenMP threads of its own slowed every
+    small op of the step thread 10-20x while it lived (measured on 2 cores: an index_add_ of 2
+    rows took 8 us before the first adapter read and 190-250 us after), which is all of a LoRA
+    step's products. The reader keeps one thread; the step thread keeps its own count."""
+    llm = LLM(str(model_dirs["llama"]), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32", num_cpu_threads=2)
+    try:
+        manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
+        manager.prefetch([lora_request(lora_adapters["llama"], "all8")])
+        assert manager._reader.submit(torch.get_num_threads).result(timeout=60) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        llm.shutdown()

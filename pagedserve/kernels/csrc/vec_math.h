@@ -28,6 +28,7 @@ inline c10::BFloat16 from_float(float f, c10::BFloat16) {
   return out;
 }
 inline c10::Half from_float(float f, c10::Half) { return static_cast<c10::Half>(f); }
+inline float from_float(float f, float) { return f; }
 
 template <typename T>
 inline T round_to(float f) {

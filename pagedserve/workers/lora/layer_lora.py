@@ -1,7 +1,8 @@
 """One linear layer's adapters on this rank, and the low-rank products added to its output.
 
-A layer holds, per resident adapter, `A` [r_total, in] and `B` [out, r_total] already cut to this
-rank's shard, so that `x A^T B^T` is exactly this rank's share of the adapter's delta:
+A layer holds, per resident adapter, `A^T` [in, r_total] and `B^T` [r_total, out] (transposed, as
+the native kernel reads them) already cut to this rank's shard, so that `x A^T B^T` is exactly
+this rank's share of the adapter's delta:
 - column-parallel layers (q/k/v in the fused qkv, gate/up in the fused gate_up): B's rows are the
   rank's output rows, placed where the base layer places them, one block of columns per fused
   projection (B is block-diagonal over them, A their ranks stacked), so one pair of matmuls
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from pagedserve.kernels import cpu_native
 
 
 def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,30 +39,47 @@ def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tenso
 
 def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> torch.Tensor:
     """`out` plus each adapted row's low-rank product (rows of an adapter this layer has none of
-    stay the base model's)."""
+    stay the base model's). On the CPU the small groups (a decode step's few rows per adapter) go
+    through the native kernel in one call; larger groups, and every group without the kernel,
+    one adapter at a time in torch."""
     adapters = layer.lora_weights
-    for lora_id, rows in groups.groups:
+    remaining = groups.groups
+    if groups.kernel_rows is not None and x.device.type == "cpu" and cpu_native.is_available():
+        no_adapter = _no_adapter(layer, x.shape[1], out.shape[1])
+        weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
+        torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, [a for a, _ in weights], [b for _, b in weights])
+        remaining = groups.large
+    for lora_id, rows in remaining:
         weights = adapters.get(lora_id)
         if weights is None:
             continue
-        a, b = weights
+        a_t, b_t = weights
         if isinstance(rows, slice):
-            out[rows] += low_rank_product(x[rows], a, b)
+            out[rows] += low_rank_product(x[rows], a_t, b_t)
         else:
-            out.index_add_(0, rows, low_rank_product(x.index_select(0, rows), a, b))
+            out.index_add_(0, rows, low_rank_product(x.index_select(0, rows), a_t, b_t))
     return out
 
 
-# Rows of one adapter up to which its product runs in float32. oneDNN's bf16 matmul costs ~40 us
-# whatever the size below a few dozen rows, float32 10-20 us; from ~64 rows on bf16 is faster
-# (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10 ms, a qkv-sized pair on a 2-core Zen 4).
+def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank-0 adapter: what the kernel gets for a step's adapter that does not target `layer`."""
+    empty = getattr(layer, "_lora_rank_zero", None)
+    if empty is None or empty[0].shape[0] != in_features:
+        empty = layer._lora_rank_zero = (torch.empty(in_features, 0), torch.empty(0, out_features))
+    return empty
+
+
+# Rows of one adapter up to which its product runs in float32 (and, on the CPU, in the native
+# kernel). oneDNN's bf16 matmul costs ~40 us whatever the size below a few dozen rows, float32
+# 10-20 us; from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10
+# ms, a qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
 
 
-def low_rank_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`x A^T B^T` in x's dtype. A and B are kept in float32 (workers/lora/manager.py): decode
-    steps bring few rows per adapter, where float32 is faster and rounds once, at the end; a
-    larger group (a prefill chunk) runs in x's dtype."""
-    if x.dtype == a.dtype or x.shape[0] <= FLOAT32_MAX_ROWS:
-        return ((x.to(a.dtype) @ a.t()) @ b.t()).to(x.dtype)
-    return (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t()
+def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """`x A^T B^T` in x's dtype, from A^T [in, r] and B^T [r, out]. They are kept in float32 on
+    the CPU (workers/lora/manager.py): decode steps bring few rows per adapter, where float32 is
+    faster and rounds once, at the end; a larger group (a prefill chunk) runs in x's dtype."""
+    if x.dtype == a_t.dtype or x.shape[0] <= FLOAT32_MAX_ROWS:
+        return ((x.to(a_t.dtype) @ a_t) @ b_t).to(x.dtype)
+    return (x @ a_t.to(x.dtype)) @ b_t.to(x.dtype)

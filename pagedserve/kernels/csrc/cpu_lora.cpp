@@ -1,0 +1,131 @@
+// LoRA's low-rank products for a step's rows of several adapters, in one call per layer.
+//
+// Each row j with an adapter s (row_slot[j] = s >= 0) gets out[j] += (x[j] A_s^T) B_s^T, with
+// A_s^T [in, r_s] and B_s^T [r_s, out] in float32 (workers/lora/layer_lora.py). In torch that is
+// an index_select, two matmuls, two casts and an index_add_ per adapter, each a few microseconds
+// of dispatch for a few rows of work: at 8 decode rows over 4 adapters the products cost more
+// than the base model's step. Here rows are taken in blocks of up to BLOCK rows of one adapter,
+// so each block reads A_s and B_s once, and every block is a task of one parallel loop.
+//
+// Each element is summed in a fixed order (over `in` for x A^T, over the rank for the product
+// with B^T), one row at a time, so a row's result does not depend on the rows beside it. The sum
+// is added to out in float32 and rounded once to out's dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec_math.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using pagedserve::round_to;
+using pagedserve::to_float;
+
+constexpr int64_t BLOCK = 8;  // rows of one adapter that share a read of its A and B
+
+struct Task {
+  int64_t slot;
+  int64_t rows[BLOCK];
+  int64_t count;
+};
+
+// Rows grouped by adapter, in row order within each, cut into blocks.
+std::vector<Task> make_tasks(const int64_t* row_slot, int64_t n, int64_t num_slots) {
+  std::vector<std::vector<int64_t>> by_slot(num_slots);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t s = row_slot[j];
+    if (s >= 0) by_slot[s].push_back(j);
+  }
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    for (size_t start = 0; start < by_slot[s].size(); start += BLOCK) {
+      Task task{s, {}, 0};
+      for (size_t i = start; i < by_slot[s].size() && task.count < BLOCK; ++i) task.rows[task.count++] = by_slot[s][i];
+      tasks.push_back(task);
+    }
+  }
+  return tasks;
+}
+
+template <typename T>
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t, int64_t rank,
+              std::vector<float>& h, std::vector<float>& acc) {
+  const int64_t m = task.count;
+  h.assign(m * rank, 0.f);
+  for (int64_t i = 0; i < in; ++i) {  // h[r] += x[r, i] * A^T[i]: each h sums over i in order
+    const float* a_row = a_t + i * rank;
+    for (int64_t r = 0; r < m; ++r) {
+      const float xv = to_float(x[task.rows[r] * in + i]);
+      float* hr = h.data() + r * rank;
+#pragma omp simd
+      for (int64_t k = 0; k < rank; ++k) hr[k] += xv * a_row[k];
+    }
+  }
+  acc.assign(m * width, 0.f);
+  for (int64_t k = 0; k < rank; ++k) {  // acc[r] += h[r, k] * B^T[k]: each sums over k in order
+    const float* b_row = b_t + k * width;
+    for (int64_t r = 0; r < m; ++r) {
+      const float hv = h[r * rank + k];
+      float* ar = acc.data() + r * width;
+#pragma omp simd
+      for (int64_t o = 0; o < width; ++o) ar[o] += hv * b_row[o];
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    T* dst = out + task.rows[r] * width;
+    const float* ar = acc.data() + r * width;
+#pragma omp simd
+    for (int64_t o = 0; o < width; ++o) dst[o] = round_to<T>(to_float(dst[o]) + ar[o]);
+  }
+}
+
+template <typename T>
+void add_all(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor& x, at::TensorList a_t, at::TensorList b_t) {
+  T* op = out.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const int64_t in = x.size(1), width = out.size(1);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h, acc;
+    for (int64_t t = begin; t < end; ++t) {
+      const at::Tensor& a = a_t[tasks[t].slot];
+      run_task(tasks[t], op, xp, in, width, a.data_ptr<float>(), b_t[tasks[t].slot].data_ptr<float>(), a.size(1), h, acc);
+    }
+  });
+}
+
+// out [n, width] += each adapted row's (x [n, in] A_s^T) B_s^T; row_slot [n] int64 names the
+// row's entry of a_t / b_t (A^T [in, r_s] and B^T [r_s, width], float32), -1 for none.
+void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, at::TensorList a_t, at::TensorList b_t) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == out.scalar_type(),
+              "lora_add: out [rows, width] and x [rows, in] contiguous, of one dtype");
+  TORCH_CHECK(row_slot.scalar_type() == at::kLong && row_slot.is_contiguous() && row_slot.numel() == x.size(0) && out.size(0) == x.size(0),
+              "lora_add: row_slot [rows] int64");
+  TORCH_CHECK(a_t.size() == b_t.size(), "lora_add: one B for each A");
+  const int64_t n = x.size(0), in = x.size(1), width = out.size(1);
+  const int64_t num_slots = static_cast<int64_t>(a_t.size());
+  for (int64_t s = 0; s < num_slots; ++s) {
+    TORCH_CHECK(a_t[s].scalar_type() == at::kFloat && b_t[s].scalar_type() == at::kFloat && a_t[s].is_contiguous() && b_t[s].is_contiguous(),
+                "lora_add: A^T and B^T float32, contiguous");
+    TORCH_CHECK(a_t[s].dim() == 2 && a_t[s].size(0) == in && b_t[s].dim() == 2 && b_t[s].size(0) == a_t[s].size(1) && b_t[s].size(1) == width,
+                "lora_add: adapter ", s, " has A^T ", a_t[s].sizes(), " and B^T ", b_t[s].sizes(), " for x ", x.sizes(), " and out ", out.sizes());
+  }
+  const int64_t* slots = row_slot.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(slots[j] >= -1 && slots[j] < num_slots, "lora_add: row ", j, " names adapter ", slots[j]);
+  const std::vector<Task> tasks = make_tasks(slots, n, num_slots);
+  switch (out.scalar_type()) {
+    case at::kFloat: return add_all<float>(tasks, out, x, a_t, b_t);
+    case at::kBFloat16: return add_all<c10::BFloat16>(tasks, out, x, a_t, b_t);
+    case at::kHalf: return add_all<c10::Half>(tasks, out, x, a_t, b_t);
+    default: TORCH_CHECK(false, "lora_add: float32, bfloat16 or float16, not ", out.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) { m.def("lora_add(Tensor(a!) out, Tensor x, Tensor row_slot, Tensor[] a_t, Tensor[] b_t) -> ()"); }
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("lora_add", &lora_add); }
