@@ -5,7 +5,9 @@
 // an index_select, two matmuls, two casts and an index_add_ per adapter, each a few microseconds
 // of dispatch for a few rows of work: at 8 decode rows over 4 adapters the products cost more
 // than the base model's step. Here rows are taken in blocks of up to BLOCK rows of one adapter,
-// so each block reads A_s and B_s once, and every block is a task of one parallel loop.
+// so each block reads A_s and B_s once, and every block is a task of one parallel loop. With
+// AVX-512 a block keeps its partial sums in registers (sixteen rank columns, then sixteen
+// outputs, for each of its rows); elsewhere plain loops sum the same terms in the same order.
 //
 // Each element is summed in a fixed order (over `in` for x A^T, over the rank for the product
 // with B^T), one row at a time, so a row's result does not depend on the rows beside it. The sum
@@ -51,6 +53,60 @@ std::vector<Task> make_tasks(const int64_t* row_slot, int64_t n, int64_t num_slo
   return tasks;
 }
 
+#if defined(__AVX512F__)
+// M rows (one block) with every partial sum in registers: x A^T sixteen rank columns at a time,
+// then the product with B^T sixteen outputs at a time. Each element is summed over `in`, then
+// over the rank, in order from the first term, as the portable loops below sum it.
+template <typename T, int M>
+void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t,
+               int64_t rank, float* h) {
+  for (int64_t k0 = 0; k0 < rank; k0 += 16) {
+    const __mmask16 lanes = rank - k0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rank - k0)) - 1);
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; ++i) {
+      const __m512 a = _mm512_maskz_loadu_ps(lanes, a_t + i * rank + k0);
+      for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(x[rows[r] * in + i])), a, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(h + r * rank + k0, lanes, acc[r]);
+  }
+  int64_t o0 = 0;
+  for (; o0 + 16 <= width; o0 += 16) {
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < rank; ++k) {
+      const __m512 b = _mm512_loadu_ps(b_t + k * width + o0);
+      for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(h[r * rank + k]), b, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      T* dst = out + rows[r] * width + o0;
+      pagedserve::store16(dst, _mm512_add_ps(pagedserve::load16(dst), acc[r]));
+    }
+  }
+  for (; o0 < width; ++o0) {  // a width that is not a multiple of sixteen: the rest one at a time
+    for (int r = 0; r < M; ++r) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < rank; ++k) sum += h[r * rank + k] * b_t[k * width + o0];
+      T* dst = out + rows[r] * width + o0;
+      *dst = round_to<T>(to_float(*dst) + sum);
+    }
+  }
+}
+
+template <typename T>
+using BlockFn = void (*)(const int64_t*, T*, const T*, int64_t, int64_t, const float*, const float*, int64_t, float*);
+
+template <typename T>
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t, int64_t rank,
+              std::vector<float>& h, std::vector<float>&) {
+  static constexpr BlockFn<T> BY_ROWS[BLOCK] = {run_block<T, 1>, run_block<T, 2>, run_block<T, 3>, run_block<T, 4>,
+                                                 run_block<T, 5>, run_block<T, 6>, run_block<T, 7>, run_block<T, 8>};
+  h.resize(task.count * rank);
+  BY_ROWS[task.count - 1](task.rows, out, x, in, width, a_t, b_t, rank, h.data());
+}
+
+#else
+
 template <typename T>
 void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t, int64_t rank,
               std::vector<float>& h, std::vector<float>& acc) {
@@ -61,7 +117,6 @@ void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, c
     for (int64_t r = 0; r < m; ++r) {
       const float xv = to_float(x[task.rows[r] * in + i]);
       float* hr = h.data() + r * rank;
-#pragma omp simd
       for (int64_t k = 0; k < rank; ++k) hr[k] += xv * a_row[k];
     }
   }
@@ -71,17 +126,17 @@ void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, c
     for (int64_t r = 0; r < m; ++r) {
       const float hv = h[r * rank + k];
       float* ar = acc.data() + r * width;
-#pragma omp simd
       for (int64_t o = 0; o < width; ++o) ar[o] += hv * b_row[o];
     }
   }
   for (int64_t r = 0; r < m; ++r) {
     T* dst = out + task.rows[r] * width;
     const float* ar = acc.data() + r * width;
-#pragma omp simd
     for (int64_t o = 0; o < width; ++o) dst[o] = round_to<T>(to_float(dst[o]) + ar[o]);
   }
 }
+
+#endif
 
 template <typename T>
 void add_all(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor& x, at::TensorList a_t, at::TensorList b_t) {

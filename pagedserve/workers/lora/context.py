@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pagedserve.workers.lora.layer_lora import FLOAT32_MAX_ROWS
+from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class LoRAGroups:
     """Each adapter of the step (by lora_int_id) and its token rows: a slice when its rows are
     contiguous (one request, or requests next to each other), else an index tensor. On the CPU,
     also the native kernel's share (layer_lora.add_lora): the adapters of at most
-    FLOAT32_MAX_ROWS rows (`kernel_ids`), each row's place among them or -1 (`kernel_rows`),
+    KERNEL_MAX_ROWS rows (`kernel_ids`), each row's place among them or -1 (`kernel_rows`),
     and the larger groups left to torch (`large`)."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
@@ -38,7 +38,7 @@ class LoRAGroups:
             contiguous = rows[-1] - rows[0] + 1 == len(rows)
             group = (lora_id, slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else torch.from_numpy(rows).to(device))
             groups.append(group)
-            if device.type == "cpu" and len(rows) <= FLOAT32_MAX_ROWS:
+            if device.type == "cpu" and len(rows) <= KERNEL_MAX_ROWS:
                 kernel_rows[rows] = len(kernel_ids)
                 kernel_ids.append(lora_id)
             else:

@@ -69,11 +69,16 @@ def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.
     return empty
 
 
-# Rows of one adapter up to which its product runs in float32 (and, on the CPU, in the native
-# kernel). oneDNN's bf16 matmul costs ~40 us whatever the size below a few dozen rows, float32
-# 10-20 us; from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10
-# ms, a qkv-sized pair on a 2-core Zen 4).
+# Rows of one adapter up to which its product runs in float32 where the kernel is not there.
+# oneDNN's bf16 matmul costs ~40 us whatever the size below a few dozen rows, float32 10-20 us;
+# from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10 ms, a
+# qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
+# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, a
+# qkv-sized pair (576 in, rank 24, 960 out) for 8 / 64 / 128 / 256 rows: 13 / 50 / 96 / 185 us
+# against 60 / 92 / 115 / 207 for torch in bf16 (and 26 / 93 / 166 / 308 in float32); the
+# gate_up and down pairs alike. Past that oneDNN's bf16 matmul gains on it.
+KERNEL_MAX_ROWS = 256
 
 
 def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

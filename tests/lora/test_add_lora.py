@@ -1,0 +1,44 @@
+"""One layer's adapters added to a step's rows (workers/lora/layer_lora.add_lora): small groups
+through the native kernel in one call, a group past KERNEL_MAX_ROWS through torch, an adapter the
+layer lacks and the base model's rows untouched, every adapted row within rounding of float64."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.workers.lora.context import LoRAGroups
+from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, add_lora
+
+IN, OUT = 64, 48
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_and_torch_groups_in_one_step(dtype):
+    gen = torch.Generator().manual_seed(0)
+    big = KERNEL_MAX_ROWS + 20
+    # Adapter 1: one long prefill chunk; 2: scattered decode rows; 3: a row of an adapter this
+    # layer lacks; 0: the base model.
+    ids = np.array([1] * big + [2, 0, 2, 3, 0, 2], dtype=np.int64)
+    groups = LoRAGroups.of(ids, torch.device("cpu"))
+    assert [lora_id for lora_id, _ in groups.large] == [1]
+    assert groups.kernel_ids == [2, 3]
+    weights = {lora_id: (torch.randn(IN, r, generator=gen) * 0.2, torch.randn(r, OUT, generator=gen) * 0.2) for lora_id, r in ((1, 8), (2, 16))}
+    layer = SimpleNamespace(lora_weights=weights)
+    x = torch.randn(len(ids), IN, generator=gen).to(dtype)
+    out = torch.randn(len(ids), OUT, generator=gen).to(dtype)
+    got = add_lora(layer, x, out.clone(), groups)
+    eps = torch.finfo(dtype).eps
+    for row, lora_id in enumerate(ids.tolist()):
+        if lora_id not in weights:
+            assert torch.equal(got[row], out[row]), f"row {row} (adapter {lora_id}) changed"
+            continue
+        a64, b64 = (w.double() for w in weights[lora_id])
+        exact = out[row].double() + (x[row].double() @ a64) @ b64
+        magnitude = out[row].double().abs() + (x[row].double().abs() @ a64.abs()) @ b64.abs()
+        # The torch path in bf16 rounds A, B, x A^T and the product once more each.
+        bound = eps * exact.abs() + 4 * eps * magnitude
+        assert ((got[row].double() - exact).abs() <= bound).all(), f"row {row} (adapter {lora_id})"
