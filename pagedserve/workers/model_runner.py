@@ -158,25 +158,27 @@ class StepThreads:
     against two everywhere: ITL p50 at 1 req/s 18.9-19.1 against 22.2-25.3 ms, output throughput
     at saturation 220-235 against 239-240 tok/s. With the limit at 16 tokens saturation gave
     212-213 tok/s, likely the last wave of a burst decoding on one thread (those runs are in git
-    history before commit 5c62dd7)."""
+    history before commit 5c62dd7).
+
+    Every CPU step also checks the count on the thread that runs it: a thread takes its count
+    from the process-wide setting when it first runs a parallel op, and another thread (the
+    LoRA reader sets one for itself) may have changed that setting before a step thread's first
+    op, which would then run every step on one thread."""
 
     LIGHT_STEP_TOKENS = 4
 
-    def __init__(self, full: int, light: int):
-        self.full, self.light = full, min(light, full)
-        self.current = full
+    def __init__(self, full: int, light: int | None = None):
+        self.full = full
+        self.light = full if light is None else min(light, full)
 
     @classmethod
     def for_device(cls, device: torch.device, light: int | None) -> StepThreads | None:
-        if device.type != "cpu" or light is None:
-            return None
-        return cls(torch.get_num_threads(), light)
+        return cls(torch.get_num_threads(), light) if device.type == "cpu" else None
 
     def set_for(self, num_tokens: int) -> None:
         wanted = self.light if num_tokens <= self.LIGHT_STEP_TOKENS else self.full
-        if wanted != self.current:
+        if torch.get_num_threads() != wanted:  # this thread's own count
             torch.set_num_threads(wanted)
-            self.current = wanted
 
 
 def _to_runner_output(states: list[CachedRequestState], out: SamplerOutput) -> ModelRunnerOutput:

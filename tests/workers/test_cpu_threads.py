@@ -46,9 +46,16 @@ def test_light_steps_run_on_fewer_threads_and_stay_exact(model_dirs, hf_referenc
         torch.set_num_threads(before)
 
 
+def _fake_threads(monkeypatch, start: int) -> list[int]:
+    """torch's thread count as a number the test owns; returns the list of counts set."""
+    current, calls = [start], []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), current.__setitem__(0, n)))
+    return calls
+
+
 def test_step_threads_change_only_when_the_step_size_class_does(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    calls = _fake_threads(monkeypatch, 4)
     threads = StepThreads(full=4, light=8)  # never more than the full count
     assert threads.light == 4
     threads = StepThreads(full=4, light=1)
@@ -56,6 +63,16 @@ def test_step_threads_change_only_when_the_step_size_class_does(monkeypatch):
     for num_tokens in (512, light - 1, light - 2, light + 1, light, 300):
         threads.set_for(num_tokens)
     assert calls == [1, 4, 1, 4]
+
+
+def test_a_step_thread_whose_count_was_changed_elsewhere_gets_its_own_back(monkeypatch):
+    """A step thread whose first parallel op came after another thread set the process-wide
+    count to 1 (the LoRA reader does) runs its next step on the engine's count again."""
+    calls = _fake_threads(monkeypatch, 1)
+    threads = StepThreads(full=2)  # no light steps: every step on both threads
+    threads.set_for(300)
+    threads.set_for(1)
+    assert calls == [2]
 
 
 def test_light_step_threads_below_one_is_refused(model_dirs):

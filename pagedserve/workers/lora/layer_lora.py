@@ -39,12 +39,12 @@ def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tenso
 
 def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> torch.Tensor:
     """`out` plus each adapted row's low-rank product (rows of an adapter this layer has none of
-    stay the base model's). On the CPU the small groups (a decode step's few rows per adapter) go
-    through the native kernel in one call; larger groups, and every group without the kernel,
-    one adapter at a time in torch."""
+    stay the base model's). On the CPU the groups of at most KERNEL_MAX_ROWS rows go through the
+    native kernel in one call; larger groups, and every group without the kernel, one adapter at
+    a time in torch."""
     adapters = layer.lora_weights
     remaining = groups.groups
-    if groups.kernel_rows is not None and x.device.type == "cpu" and cpu_native.is_available():
+    if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
         no_adapter = _no_adapter(layer, x.shape[1], out.shape[1])
         weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
         torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, [a for a, _ in weights], [b for _, b in weights])
