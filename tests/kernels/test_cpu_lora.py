@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.workers.lora.layer_lora import kernel_ranges
 
 pytestmark = pytest.mark.skipif(not cpu_native.is_available(), reason="the native CPU kernels did not build (no g++?)")
 
-IN, OUT = 96, 72
+IN, OUT = 96, 72  # 72: four and a half chunks of sixteen output columns
 
 
 def adapters(ranks: list[int], seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -20,9 +21,10 @@ def adapters(ranks: list[int], seed: int = 0) -> tuple[list[torch.Tensor], list[
     return a_t, b_t
 
 
-def lora_add(out, x, slots, a_t, b_t) -> torch.Tensor:
+def lora_add(out, x, slots, a_t, b_t, k_ranges=None) -> torch.Tensor:
     out = out.clone()
-    torch.ops.pagedserve_cpu.lora_add(out, x, torch.tensor(slots, dtype=torch.long), a_t, b_t)
+    k_ranges = [kernel_ranges(b) for b in b_t] if k_ranges is None else k_ranges
+    torch.ops.pagedserve_cpu.lora_add(out, x, torch.tensor(slots, dtype=torch.long), a_t, b_t, k_ranges)
     return out
 
 
@@ -62,6 +64,30 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(batched[row : row + 1], alone)
 
 
+def test_a_block_diagonal_b_skips_its_zero_blocks_and_sums_the_same():
+    """A fused qkv-like B^T: rank rows 0-7 feed columns 0-47, rows 8-15 columns 48-71. The
+    ranges skip the zero blocks; the result equals the full product's bit for bit."""
+    a_t, b_t = adapters([16], seed=3)
+    b_t[0][:8, 48:] = 0
+    b_t[0][8:, :48] = 0
+    ranges = kernel_ranges(b_t[0])
+    assert ranges.tolist() == [[0, 8], [0, 8], [0, 8], [8, 16], [8, 16]]
+    full = torch.tensor([[0, 16]] * 5)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, IN, generator=gen).to(torch.bfloat16)
+    out = torch.randn(9, OUT, generator=gen).to(torch.bfloat16)
+    skipped = lora_add(out, x, [0] * 9, a_t, b_t, [ranges])
+    assert torch.equal(skipped, lora_add(out, x, [0] * 9, a_t, b_t, [full]))
+    assert not torch.equal(skipped, out)
+
+
+def test_kernel_ranges_of_an_empty_chunk_and_a_rank_zero_adapter():
+    b_t = torch.zeros(4, 40)
+    b_t[2, 5] = 1.0
+    assert kernel_ranges(b_t).tolist() == [[2, 3], [0, 0], [0, 0]]
+    assert kernel_ranges(torch.empty(0, 20)).tolist() == [[0, 0], [0, 0]]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -69,11 +95,14 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         (lambda args: args.update(x=args["x"].float()), "of one dtype"),
         (lambda args: args.update(a_t=[args["a_t"][0].double(), args["a_t"][1]]), "float32"),
         (lambda args: args.update(b_t=[args["b_t"][1], args["b_t"][0]]), "adapter 0 has"),
+        (lambda args: args.update(k_ranges=[torch.tensor([[0, 9]] * 5), kernel_ranges(args["b_t"][1])]), "outside its rank"),
+        (lambda args: args.update(k_ranges=[torch.zeros(4, 2, dtype=torch.long), kernel_ranges(args["b_t"][1])]), r"int64 \[5, 2\]"),
     ],
 )
 def test_bad_arguments_are_refused(change, message):
     a_t, b_t = adapters([8, 16])
     args = {"out": torch.zeros(2, OUT, dtype=torch.bfloat16), "x": torch.zeros(2, IN, dtype=torch.bfloat16), "slots": [0, 1], "a_t": a_t, "b_t": b_t}
+    args["k_ranges"] = [kernel_ranges(b) for b in b_t]
     change(args)
     with pytest.raises(RuntimeError, match=message):
-        lora_add(args["out"], args["x"], args["slots"], args["a_t"], args["b_t"])
+        lora_add(args["out"], args["x"], args["slots"], args["a_t"], args["b_t"], args["k_ranges"])

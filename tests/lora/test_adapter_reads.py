@@ -79,8 +79,8 @@ def test_an_adapter_read_ahead_is_the_adapter_read_in_the_step(model_dirs, lora_
         finally:
             llm.shutdown()
     assert len(weights[0]) == len(weights[1]) > 0
-    for (a0, b0), (a1, b1) in zip(*weights):
-        assert torch.equal(a0, a1) and torch.equal(b0, b1)
+    for first, second in zip(*weights):
+        assert all(torch.equal(t0, t1) for t0, t1 in zip(first, second))
 
 
 def test_a_removed_adapter_leaves_the_workers_once_its_requests_end(model_dirs, lora_adapters, lora_references):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve.workers.lora.context import LoRAGroups
-from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, add_lora
+from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, add_lora, kernel_ranges
 
 IN, OUT = 64, 48
 
@@ -27,7 +27,7 @@ def test_kernel_and_torch_groups_in_one_step(dtype):
     assert [lora_id for lora_id, _ in groups.large] == [1]
     assert groups.kernel_ids == [2, 3]
     weights = {lora_id: (torch.randn(IN, r, generator=gen) * 0.2, torch.randn(r, OUT, generator=gen) * 0.2) for lora_id, r in ((1, 8), (2, 16))}
-    layer = SimpleNamespace(lora_weights=weights)
+    layer = SimpleNamespace(lora_weights={lora_id: (a, b, kernel_ranges(b)) for lora_id, (a, b) in weights.items()})
     x = torch.randn(len(ids), IN, generator=gen).to(dtype)
     out = torch.randn(len(ids), OUT, generator=gen).to(dtype)
     got = add_lora(layer, x, out.clone(), groups)

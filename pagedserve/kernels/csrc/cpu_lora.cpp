@@ -9,6 +9,12 @@
 // AVX-512 a block keeps its partial sums in registers (sixteen rank columns, then sixteen
 // outputs, for each of its rows); elsewhere plain loops sum the same terms in the same order.
 //
+// B^T of a fused layer (qkv, gate_up) is block-diagonal: each projection's rank rows are zero
+// outside its own output columns. `k_ranges` [ceil(out / 16), 2] gives, for each sixteen output
+// columns, the rank rows [lo, hi) that hold anything there (layer_lora.kernel_ranges), so the
+// product with B^T skips the zero blocks: a third of the work for q/k/v, half for gate/up. The
+// terms it skips are exact zeros, which leave a float sum as it was.
+//
 // Each element is summed in a fixed order (over `in` for x A^T, over the rank for the product
 // with B^T), one row at a time, so a row's result does not depend on the rows beside it. The sum
 // is added to out in float32 and rounded once to out's dtype.
@@ -19,6 +25,7 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -28,11 +35,19 @@ using pagedserve::round_to;
 using pagedserve::to_float;
 
 constexpr int64_t BLOCK = 8;  // rows of one adapter that share a read of its A and B
+constexpr int64_t CHUNK = 16;  // output columns per entry of k_ranges
 
 struct Task {
   int64_t slot;
   int64_t rows[BLOCK];
   int64_t count;
+};
+
+struct Adapter {
+  const float* a_t;  // [in, rank]
+  const float* b_t;  // [rank, width]
+  const int64_t* k_ranges;  // [ceil(width / CHUNK), 2]
+  int64_t rank;
 };
 
 // Rows grouped by adapter, in row order within each, cut into blocks.
@@ -58,129 +73,137 @@ std::vector<Task> make_tasks(const int64_t* row_slot, int64_t n, int64_t num_slo
 // then the product with B^T sixteen outputs at a time. Each element is summed over `in`, then
 // over the rank, in order from the first term, as the portable loops below sum it.
 template <typename T, int M>
-void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t,
-               int64_t rank, float* h) {
+void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, float* h) {
+  const int64_t rank = ad.rank;
   for (int64_t k0 = 0; k0 < rank; k0 += 16) {
     const __mmask16 lanes = rank - k0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rank - k0)) - 1);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < in; ++i) {
-      const __m512 a = _mm512_maskz_loadu_ps(lanes, a_t + i * rank + k0);
+      const __m512 a = _mm512_maskz_loadu_ps(lanes, ad.a_t + i * rank + k0);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(x[rows[r] * in + i])), a, acc[r]);
     }
     for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(h + r * rank + k0, lanes, acc[r]);
   }
-  int64_t o0 = 0;
-  for (; o0 + 16 <= width; o0 += 16) {
+  for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {
+    const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
+    const __mmask16 cols = width - o0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - o0)) - 1);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < rank; ++k) {
-      const __m512 b = _mm512_loadu_ps(b_t + k * width + o0);
+    for (int64_t k = lo; k < hi; ++k) {
+      const __m512 b = _mm512_maskz_loadu_ps(cols, ad.b_t + k * width + o0);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(h[r * rank + k]), b, acc[r]);
     }
     for (int r = 0; r < M; ++r) {
       T* dst = out + rows[r] * width + o0;
-      pagedserve::store16(dst, _mm512_add_ps(pagedserve::load16(dst), acc[r]));
-    }
-  }
-  for (; o0 < width; ++o0) {  // a width that is not a multiple of sixteen: the rest one at a time
-    for (int r = 0; r < M; ++r) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < rank; ++k) sum += h[r * rank + k] * b_t[k * width + o0];
-      T* dst = out + rows[r] * width + o0;
-      *dst = round_to<T>(to_float(*dst) + sum);
+      if (cols == 0xFFFF) {
+        pagedserve::store16(dst, _mm512_add_ps(pagedserve::load16(dst), acc[r]));
+      } else {  // the last columns of a width that is not a multiple of sixteen
+        alignas(64) float sum[16];
+        _mm512_store_ps(sum, acc[r]);
+        for (int64_t o = 0; o < width - o0; ++o) dst[o] = round_to<T>(to_float(dst[o]) + sum[o]);
+      }
     }
   }
 }
 
 template <typename T>
-using BlockFn = void (*)(const int64_t*, T*, const T*, int64_t, int64_t, const float*, const float*, int64_t, float*);
+using BlockFn = void (*)(const int64_t*, T*, const T*, int64_t, int64_t, const Adapter&, float*);
 
 template <typename T>
-void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t, int64_t rank,
-              std::vector<float>& h, std::vector<float>&) {
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, std::vector<float>& h) {
   static constexpr BlockFn<T> BY_ROWS[BLOCK] = {run_block<T, 1>, run_block<T, 2>, run_block<T, 3>, run_block<T, 4>,
                                                  run_block<T, 5>, run_block<T, 6>, run_block<T, 7>, run_block<T, 8>};
-  h.resize(task.count * rank);
-  BY_ROWS[task.count - 1](task.rows, out, x, in, width, a_t, b_t, rank, h.data());
+  h.resize(task.count * ad.rank);
+  BY_ROWS[task.count - 1](task.rows, out, x, in, width, ad, h.data());
 }
 
 #else
 
 template <typename T>
-void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const float* a_t, const float* b_t, int64_t rank,
-              std::vector<float>& h, std::vector<float>& acc) {
-  const int64_t m = task.count;
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, std::vector<float>& h) {
+  const int64_t m = task.count, rank = ad.rank;
   h.assign(m * rank, 0.f);
   for (int64_t i = 0; i < in; ++i) {  // h[r] += x[r, i] * A^T[i]: each h sums over i in order
-    const float* a_row = a_t + i * rank;
+    const float* a_row = ad.a_t + i * rank;
     for (int64_t r = 0; r < m; ++r) {
       const float xv = to_float(x[task.rows[r] * in + i]);
       float* hr = h.data() + r * rank;
       for (int64_t k = 0; k < rank; ++k) hr[k] += xv * a_row[k];
     }
   }
-  acc.assign(m * width, 0.f);
-  for (int64_t k = 0; k < rank; ++k) {  // acc[r] += h[r, k] * B^T[k]: each sums over k in order
-    const float* b_row = b_t + k * width;
+  float acc[CHUNK];
+  for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {  // each sums over its chunk's rank rows in order
+    const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
+    const int64_t cols = std::min(CHUNK, width - o0);
     for (int64_t r = 0; r < m; ++r) {
-      const float hv = h[r * rank + k];
-      float* ar = acc.data() + r * width;
-      for (int64_t o = 0; o < width; ++o) ar[o] += hv * b_row[o];
+      for (int64_t o = 0; o < cols; ++o) acc[o] = 0.f;
+      for (int64_t k = lo; k < hi; ++k) {
+        const float hv = h[r * rank + k];
+        const float* b_row = ad.b_t + k * width + o0;
+        for (int64_t o = 0; o < cols; ++o) acc[o] += hv * b_row[o];
+      }
+      T* dst = out + task.rows[r] * width + o0;
+      for (int64_t o = 0; o < cols; ++o) dst[o] = round_to<T>(to_float(dst[o]) + acc[o]);
     }
-  }
-  for (int64_t r = 0; r < m; ++r) {
-    T* dst = out + task.rows[r] * width;
-    const float* ar = acc.data() + r * width;
-    for (int64_t o = 0; o < width; ++o) dst[o] = round_to<T>(to_float(dst[o]) + ar[o]);
   }
 }
 
 #endif
 
 template <typename T>
-void add_all(const std::vector<Task>& tasks, at::Tensor& out, const at::Tensor& x, at::TensorList a_t, at::TensorList b_t) {
+void add_all(const std::vector<Task>& tasks, const std::vector<Adapter>& adapters, at::Tensor& out, const at::Tensor& x) {
   T* op = out.data_ptr<T>();
   const T* xp = x.data_ptr<T>();
   const int64_t in = x.size(1), width = out.size(1);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h, acc;
-    for (int64_t t = begin; t < end; ++t) {
-      const at::Tensor& a = a_t[tasks[t].slot];
-      run_task(tasks[t], op, xp, in, width, a.data_ptr<float>(), b_t[tasks[t].slot].data_ptr<float>(), a.size(1), h, acc);
-    }
+    std::vector<float> h;
+    for (int64_t t = begin; t < end; ++t) run_task(tasks[t], op, xp, in, width, adapters[tasks[t].slot], h);
   });
 }
 
 // out [n, width] += each adapted row's (x [n, in] A_s^T) B_s^T; row_slot [n] int64 names the
-// row's entry of a_t / b_t (A^T [in, r_s] and B^T [r_s, width], float32), -1 for none.
-void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, at::TensorList a_t, at::TensorList b_t) {
+// row's entry of a_t / b_t / k_ranges (A^T [in, r_s] and B^T [r_s, width] float32, the rank
+// rows of each sixteen columns int64 [ceil(width / 16), 2]), -1 for none.
+void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, at::TensorList a_t, at::TensorList b_t,
+              at::TensorList k_ranges) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == out.scalar_type(),
               "lora_add: out [rows, width] and x [rows, in] contiguous, of one dtype");
   TORCH_CHECK(row_slot.scalar_type() == at::kLong && row_slot.is_contiguous() && row_slot.numel() == x.size(0) && out.size(0) == x.size(0),
               "lora_add: row_slot [rows] int64");
-  TORCH_CHECK(a_t.size() == b_t.size(), "lora_add: one B for each A");
+  TORCH_CHECK(a_t.size() == b_t.size() && a_t.size() == k_ranges.size(), "lora_add: one B and one k_ranges for each A");
   const int64_t n = x.size(0), in = x.size(1), width = out.size(1);
-  const int64_t num_slots = static_cast<int64_t>(a_t.size());
+  const int64_t num_slots = static_cast<int64_t>(a_t.size()), num_chunks = (width + CHUNK - 1) / CHUNK;
+  std::vector<Adapter> adapters;
   for (int64_t s = 0; s < num_slots; ++s) {
     TORCH_CHECK(a_t[s].scalar_type() == at::kFloat && b_t[s].scalar_type() == at::kFloat && a_t[s].is_contiguous() && b_t[s].is_contiguous(),
                 "lora_add: A^T and B^T float32, contiguous");
     TORCH_CHECK(a_t[s].dim() == 2 && a_t[s].size(0) == in && b_t[s].dim() == 2 && b_t[s].size(0) == a_t[s].size(1) && b_t[s].size(1) == width,
                 "lora_add: adapter ", s, " has A^T ", a_t[s].sizes(), " and B^T ", b_t[s].sizes(), " for x ", x.sizes(), " and out ", out.sizes());
+    const at::Tensor& ranges = k_ranges[s];
+    TORCH_CHECK(ranges.scalar_type() == at::kLong && ranges.is_contiguous() && ranges.dim() == 2 && ranges.size(0) == num_chunks && ranges.size(1) == 2,
+                "lora_add: adapter ", s, "'s k_ranges must be int64 [", num_chunks, ", 2]");
+    const int64_t rank = a_t[s].size(1);
+    const int64_t* bounds = ranges.data_ptr<int64_t>();
+    for (int64_t c = 0; c < num_chunks; ++c)
+      TORCH_CHECK(0 <= bounds[2 * c] && bounds[2 * c] <= bounds[2 * c + 1] && bounds[2 * c + 1] <= rank, "lora_add: adapter ", s, "'s k_ranges outside its rank");
+    adapters.push_back({a_t[s].data_ptr<float>(), b_t[s].data_ptr<float>(), bounds, rank});
   }
   const int64_t* slots = row_slot.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(slots[j] >= -1 && slots[j] < num_slots, "lora_add: row ", j, " names adapter ", slots[j]);
   const std::vector<Task> tasks = make_tasks(slots, n, num_slots);
   switch (out.scalar_type()) {
-    case at::kFloat: return add_all<float>(tasks, out, x, a_t, b_t);
-    case at::kBFloat16: return add_all<c10::BFloat16>(tasks, out, x, a_t, b_t);
-    case at::kHalf: return add_all<c10::Half>(tasks, out, x, a_t, b_t);
+    case at::kFloat: return add_all<float>(tasks, adapters, out, x);
+    case at::kBFloat16: return add_all<c10::BFloat16>(tasks, adapters, out, x);
+    case at::kHalf: return add_all<c10::Half>(tasks, adapters, out, x);
     default: TORCH_CHECK(false, "lora_add: float32, bfloat16 or float16, not ", out.scalar_type());
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) { m.def("lora_add(Tensor(a!) out, Tensor x, Tensor row_slot, Tensor[] a_t, Tensor[] b_t) -> ()"); }
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor row_slot, Tensor[] a_t, Tensor[] b_t, Tensor[] k_ranges) -> ()");
+}
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("lora_add", &lora_add); }

@@ -1,8 +1,8 @@
 """One linear layer's adapters on this rank, and the low-rank products added to its output.
 
 A layer holds, per resident adapter, `A^T` [in, r_total] and `B^T` [r_total, out] (transposed, as
-the native kernel reads them) already cut to this rank's shard, so that `x A^T B^T` is exactly
-this rank's share of the adapter's delta:
+the native kernel reads them, with `kernel_ranges(B^T)`) already cut to this rank's shard, so that
+`x A^T B^T` is exactly this rank's share of the adapter's delta:
 - column-parallel layers (q/k/v in the fused qkv, gate/up in the fused gate_up): B's rows are the
   rank's output rows, placed where the base layer places them, one block of columns per fused
   projection (B is block-diagonal over them, A their ranks stacked), so one pair of matmuls
@@ -47,13 +47,14 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
         no_adapter = _no_adapter(layer, x.shape[1], out.shape[1])
         weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
-        torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, [a for a, _ in weights], [b for _, b in weights])
+        a_t, b_t, k_ranges = ([w[i] for w in weights] for i in range(3))
+        torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, a_t, b_t, k_ranges)
         remaining = groups.large
     for lora_id, rows in remaining:
         weights = adapters.get(lora_id)
         if weights is None:
             continue
-        a_t, b_t = weights
+        a_t, b_t, _ = weights
         if isinstance(rows, slice):
             out[rows] += low_rank_product(x[rows], a_t, b_t)
         else:
@@ -61,12 +62,33 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     return out
 
 
-def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
     """A rank-0 adapter: what the kernel gets for a step's adapter that does not target `layer`."""
     empty = getattr(layer, "_lora_rank_zero", None)
     if empty is None or empty[0].shape[0] != in_features:
-        empty = layer._lora_rank_zero = (torch.empty(in_features, 0), torch.empty(0, out_features))
+        b_t = torch.empty(0, out_features)
+        empty = layer._lora_rank_zero = (torch.empty(in_features, 0), b_t, kernel_ranges(b_t))
     return empty
+
+
+KERNEL_CHUNK = 16  # output columns per entry of the kernel's k_ranges (csrc/cpu_lora.cpp's CHUNK)
+
+
+def kernel_ranges(b_t: torch.Tensor) -> torch.Tensor:
+    """For each KERNEL_CHUNK output columns of B^T [r, out], the rank rows [lo, hi) with a nonzero
+    there (int64 [chunks, 2]; (0, 0) for none). A fused layer's B^T is block-diagonal over its
+    projections, so the kernel's product with it then skips the zero blocks."""
+    rank, width = b_t.shape
+    chunks = -(-width // KERNEL_CHUNK)
+    if rank == 0:
+        return torch.zeros(chunks, 2, dtype=torch.long)
+    nonzero = torch.zeros(rank, chunks * KERNEL_CHUNK, dtype=torch.bool)
+    nonzero[:, :width] = b_t != 0
+    used = nonzero.view(rank, chunks, KERNEL_CHUNK).any(-1)  # [rank, chunks]
+    has_any = used.any(0)
+    lo = used.int().argmax(0)  # the first rank row used
+    hi = rank - used.flip(0).int().argmax(0)  # one past the last
+    return torch.stack([torch.where(has_any, lo, 0), torch.where(has_any, hi, 0)], dim=1).long().contiguous()
 
 
 # Rows of one adapter up to which its product runs in float32 where the kernel is not there.
@@ -74,11 +96,11 @@ def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.
 # from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10 ms, a
 # qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
-# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, a
-# qkv-sized pair (576 in, rank 24, 960 out) for 8 / 64 / 128 / 256 rows: 13 / 50 / 96 / 185 us
-# against 60 / 92 / 115 / 207 for torch in bf16 (and 26 / 93 / 166 / 308 in float32); the
-# gate_up and down pairs alike. Past that oneDNN's bf16 matmul gains on it.
-KERNEL_MAX_ROWS = 256
+# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, rank 8
+# on every projection, for 8 / 32 / 128 / 256 rows: qkv (576 in, 960 out) 11.5 / 21 / 70 / 135 us
+# against 55 / 68 / 99 / 140 for torch in bf16, gate_up (3072 out) 18 / 37 / 129 / 253 against
+# 64 / 80 / 140 / 212, down (1536 in, 576 out) 11 / 21 / 67 / 130 against 48 / 58 / 83 / 112.
+KERNEL_MAX_ROWS = 128
 
 
 def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagedserve.lora_request import LoRARequest
-from pagedserve.workers.lora.layer_lora import shard_for_layer
+from pagedserve.workers.lora.layer_lora import kernel_ranges, shard_for_layer
 from pagedserve.workers.lora.peft_adapter import check_adapter, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ PROJECTIONS = {
 }
 
 
-# One adapter's weights for this rank: (module, A^T, B^T) for each adapted module, and their bytes.
-Prepared = tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], int]
+# One adapter's weights for this rank: (module, (A^T, B^T, kernel_ranges(B^T))) for each adapted
+# module, and their bytes.
+Prepared = tuple[list[tuple[Any, tuple[torch.Tensor, ...]]], int]
 
 
 def _one_torch_thread() -> None:
@@ -139,14 +140,14 @@ class WorkerLoRAManager:
             module = self.layers[layer_index].get_submodule(module_name)
             a, b = shard_for_layer(module, parts)
             a_t, b_t = (t.t().to(self.device, self.lora_dtype).contiguous() for t in (a, b))
-            prepared.append((module, a_t, b_t))
+            prepared.append((module, (a_t, b_t, kernel_ranges(b_t).to(self.device))))
             num_bytes += a_t.nbytes + b_t.nbytes
         return prepared, num_bytes
 
     def _install(self, request: LoRARequest, prepared: Prepared) -> None:
         modules, num_bytes = prepared
-        for module, a_t, b_t in modules:
-            module.lora_weights[request.lora_int_id] = (a_t, b_t)
+        for module, weights in modules:
+            module.lora_weights[request.lora_int_id] = weights
         self.resident[request.lora_int_id] = request.lora_path
         logger.info(
             "loaded LoRA adapter %s (id %d) from %s: %.1f MiB resident on this rank",
