@@ -166,8 +166,9 @@ def test_24_concurrent_streams(base_url, offline):
 
 
 def test_disconnect_aborts_and_frees_blocks(base_url):
-    """Within 5 s of the client's going, and long before the request could have run to its end
-    (a time bound alone failed on a loaded machine; the token count says it was cut short)."""
+    """Aborted once the client goes, and long before the request could have run to its end: the
+    token count says it was cut short (time bounds alone failed on a loaded machine: 1 s, and
+    once in a full suite run 5 s; the bound is now 15 s)."""
     before = engine_stats()
     aborted_before = before.request_success_total.get("abort", 0)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
@@ -180,7 +181,7 @@ def test_disconnect_aborts_and_frees_blocks(base_url):
         stats = engine_stats()
         return stats.request_success_total.get("abort", 0) == aborted_before + 1 and stats.kv_cache_usage_perc == 0.0
 
-    wait_until(freed, timeout=5)
+    wait_until(freed, timeout=15)
     after = engine_stats()
     assert after.generation_tokens_total - before.generation_tokens_total < 500
     assert after.num_requests_running == 0
