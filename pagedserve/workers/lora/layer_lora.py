@@ -13,6 +13,7 @@ The B rows come from the base layer's own weight loader, so the shards match its
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     adapters = layer.lora_weights
     remaining = groups.groups
     if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
-        no_adapter = _no_adapter(layer, x.shape[1], out.shape[1])
+        no_adapter = _no_adapter(x.shape[1], out.shape[1])
         weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
         a_t, b_t, k_ranges = ([w[i] for w in weights] for i in range(3))
         torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, a_t, b_t, k_ranges)
@@ -62,13 +63,12 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     return out
 
 
-def _no_adapter(layer: Any, in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
-    """A rank-0 adapter: what the kernel gets for a step's adapter that does not target `layer`."""
-    empty = getattr(layer, "_lora_rank_zero", None)
-    if empty is None or empty[0].shape[0] != in_features:
-        b_t = torch.empty(0, out_features)
-        empty = layer._lora_rank_zero = (torch.empty(in_features, 0), b_t, kernel_ranges(b_t))
-    return empty
+@functools.lru_cache(maxsize=64)
+def _no_adapter(in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
+    """A rank-0 adapter: what the kernel gets for a step's adapter that does not target a layer
+    of these sizes."""
+    b_t = torch.empty(0, out_features)
+    return torch.empty(in_features, 0), b_t, kernel_ranges(b_t)
 
 
 KERNEL_CHUNK = 16  # output columns per entry of the kernel's k_ranges (csrc/cpu_lora.cpp's CHUNK)
