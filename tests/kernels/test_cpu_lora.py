@@ -102,6 +102,7 @@ def test_kernel_ranges_of_an_empty_chunk_and_a_rank_zero_adapter():
         (lambda args: args.update(b_t=[args["b_t"][1], args["b_t"][0]]), "adapter 0 has"),
         (lambda args: args.update(k_ranges=[torch.tensor([[0, 9]] * 5), kernel_ranges(args["b_t"][1])]), "outside its rank"),
         (lambda args: args.update(k_ranges=[torch.zeros(4, 2, dtype=torch.long), kernel_ranges(args["b_t"][1])]), r"int64 \[5, 2\]"),
+        (lambda args: args.update(x=args["x"][:, :0], a_t=[a[:0] for a in args["a_t"]]), "at least one column"),
     ],
 )
 def test_bad_arguments_are_refused(change, message):

@@ -6,8 +6,9 @@
 // of dispatch for a few rows of work: at 8 decode rows over 4 adapters the products cost more
 // than the base model's step. Here rows are taken in blocks of up to BLOCK rows of one adapter,
 // so each block reads A_s and B_s once, and every block is a task of one parallel loop. With
-// AVX-512 a block keeps its partial sums in registers (sixteen rank columns, then sixteen
-// outputs, for each of its rows); elsewhere plain loops sum the same terms in the same order.
+// AVX-512 a block converts its rows of x to float32 once and keeps its partial sums in registers
+// (thirty-two rank columns, then sixteen outputs, for each of its rows); elsewhere plain loops sum
+// the same terms in the same order.
 //
 // B^T of a fused layer (qkv, gate_up) is block-diagonal: each projection's rank rows are zero
 // outside its own output columns. `k_ranges` [ceil(out / 16), 2] gives, for each sixteen output
@@ -69,60 +70,108 @@ std::vector<Task> make_tasks(const int64_t* row_slot, int64_t n, int64_t num_slo
 }
 
 #if defined(__AVX512F__)
-// M rows (one block) with every partial sum in registers: x A^T sixteen rank columns at a time,
-// then the product with B^T sixteen outputs at a time. Each element is summed over `in`, then
-// over the rank, in order from the first term, as the portable loops below sum it.
-template <typename T, int M>
-void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, float* h) {
+// x A^T for M rows (one block) and NK * 16 rank columns from k0, every partial sum in registers:
+// each takes the terms over `in` in order from the first, as the portable loops below do. `xf`
+// holds the block's rows of x in float32, so each term is one FMA with a broadcast from memory.
+template <int M, int NK>
+void x_times_a_t(const float* xf, int64_t in, const Adapter& ad, int64_t k0, float* h) {
   const int64_t rank = ad.rank;
-  for (int64_t k0 = 0; k0 < rank; k0 += 16) {
-    const __mmask16 lanes = rank - k0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rank - k0)) - 1);
-    __m512 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; ++i) {
-      const __m512 a = _mm512_maskz_loadu_ps(lanes, ad.a_t + i * rank + k0);
-      for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(x[rows[r] * in + i])), a, acc[r]);
-    }
-    for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(h + r * rank + k0, lanes, acc[r]);
+  __mmask16 lanes[NK];
+  for (int c = 0; c < NK; ++c) {
+    const int64_t left = rank - k0 - 16 * c;
+    lanes[c] = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
   }
+  __m512 acc[M * NK];
+  for (int j = 0; j < M * NK; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  do {  // in > 0 (lora_add checks): with a loop that may not run, GCC keeps acc on the stack too
+    __m512 a[NK];
+    for (int c = 0; c < NK; ++c) a[c] = _mm512_maskz_loadu_ps(lanes[c], ad.a_t + i * rank + k0 + 16 * c);
+    for (int r = 0; r < M; ++r) {
+      const __m512 xv = _mm512_set1_ps(xf[r * in + i]);
+      for (int c = 0; c < NK; ++c) acc[r * NK + c] = _mm512_fmadd_ps(xv, a[c], acc[r * NK + c]);
+    }
+  } while (++i < in);
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < NK; ++c) _mm512_mask_storeu_ps(h + r * rank + k0 + 16 * c, lanes[c], acc[r * NK + c]);
+}
+
+// The block's rows of x in float32, row after row (the conversion is exact).
+template <typename T, int M>
+void rows_to_float(const int64_t* rows, const T* x, int64_t in, float* xf) {
+  for (int r = 0; r < M; ++r) {
+    const T* src = x + rows[r] * in;
+    float* dst = xf + r * in;
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) _mm512_storeu_ps(dst + i, pagedserve::load16(src + i));
+    for (; i < in; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+// M rows (one block): x A^T two chunks of sixteen rank columns at a time, then the product with
+// B^T sixteen outputs at a time. Each element is summed over `in`, then over the rank, in order
+// from the first term, as the portable loops below sum it.
+template <typename T, int M>
+void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, float* h, float* xf) {
+  const int64_t rank = ad.rank;
+  rows_to_float<T, M>(rows, x, in, xf);
+  int64_t k0 = 0;
+  for (; k0 + 16 < rank; k0 += 32) x_times_a_t<M, 2>(xf, in, ad, k0, h);
+  if (k0 < rank) x_times_a_t<M, 1>(xf, in, ad, k0, h);
   for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {
     const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
     const __mmask16 cols = width - o0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - o0)) - 1);
+    if (lo == hi) continue;  // no rank row reaches these columns: nothing to add
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = lo; k < hi; ++k) {
+    int64_t k = lo;
+    do {
       const __m512 b = _mm512_maskz_loadu_ps(cols, ad.b_t + k * width + o0);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(h[r * rank + k]), b, acc[r]);
-    }
-    for (int r = 0; r < M; ++r) {
-      T* dst = out + rows[r] * width + o0;
-      if (cols == 0xFFFF) {
+    } while (++k < hi);
+    if (cols == 0xFFFF) {
+      for (int r = 0; r < M; ++r) {
+        T* dst = out + rows[r] * width + o0;
         pagedserve::store16(dst, _mm512_add_ps(pagedserve::load16(dst), acc[r]));
-      } else {  // the last columns of a width that is not a multiple of sixteen
-        alignas(64) float sum[16];
-        _mm512_store_ps(sum, acc[r]);
-        for (int64_t o = 0; o < width - o0; ++o) dst[o] = round_to<T>(to_float(dst[o]) + sum[o]);
+      }
+    } else {  // the last columns of a width that is not a multiple of sixteen
+      alignas(64) float sum[M][16];
+      for (int r = 0; r < M; ++r) _mm512_store_ps(sum[r], acc[r]);
+      for (int r = 0; r < M; ++r) {
+        T* dst = out + rows[r] * width + o0;
+        for (int64_t o = 0; o < width - o0; ++o) dst[o] = round_to<T>(to_float(dst[o]) + sum[r][o]);
       }
     }
   }
 }
 
 template <typename T>
-using BlockFn = void (*)(const int64_t*, T*, const T*, int64_t, int64_t, const Adapter&, float*);
+using BlockFn = void (*)(const int64_t*, T*, const T*, int64_t, int64_t, const Adapter&, float*, float*);
+
+// A thread's scratch: the block's x A^T and its rows of x in float32.
+struct Scratch {
+  std::vector<float> h, xf;
+};
 
 template <typename T>
-void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, std::vector<float>& h) {
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, Scratch& scratch) {
   static constexpr BlockFn<T> BY_ROWS[BLOCK] = {run_block<T, 1>, run_block<T, 2>, run_block<T, 3>, run_block<T, 4>,
                                                  run_block<T, 5>, run_block<T, 6>, run_block<T, 7>, run_block<T, 8>};
-  h.resize(task.count * ad.rank);
-  BY_ROWS[task.count - 1](task.rows, out, x, in, width, ad, h.data());
+  scratch.h.resize(task.count * ad.rank);
+  scratch.xf.resize(task.count * in);
+  BY_ROWS[task.count - 1](task.rows, out, x, in, width, ad, scratch.h.data(), scratch.xf.data());
 }
 
 #else
 
+struct Scratch {
+  std::vector<float> h;
+};
+
 template <typename T>
-void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, std::vector<float>& h) {
+void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, Scratch& scratch) {
   const int64_t m = task.count, rank = ad.rank;
+  std::vector<float>& h = scratch.h;
   h.assign(m * rank, 0.f);
   for (int64_t i = 0; i < in; ++i) {  // h[r] += x[r, i] * A^T[i]: each h sums over i in order
     const float* a_row = ad.a_t + i * rank;
@@ -136,6 +185,7 @@ void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, c
   for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {  // each sums over its chunk's rank rows in order
     const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
     const int64_t cols = std::min(CHUNK, width - o0);
+    if (lo == hi) continue;  // no rank row reaches these columns: nothing to add
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t o = 0; o < cols; ++o) acc[o] = 0.f;
       for (int64_t k = lo; k < hi; ++k) {
@@ -157,8 +207,8 @@ void add_all(const std::vector<Task>& tasks, const std::vector<Adapter>& adapter
   const T* xp = x.data_ptr<T>();
   const int64_t in = x.size(1), width = out.size(1);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h;
-    for (int64_t t = begin; t < end; ++t) run_task(tasks[t], op, xp, in, width, adapters[tasks[t].slot], h);
+    Scratch scratch;
+    for (int64_t t = begin; t < end; ++t) run_task(tasks[t], op, xp, in, width, adapters[tasks[t].slot], scratch);
   });
 }
 
@@ -173,6 +223,7 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, a
               "lora_add: row_slot [rows] int64");
   TORCH_CHECK(a_t.size() == b_t.size() && a_t.size() == k_ranges.size(), "lora_add: one B and one k_ranges for each A");
   const int64_t n = x.size(0), in = x.size(1), width = out.size(1);
+  TORCH_CHECK(in > 0, "lora_add: x needs at least one column");
   const int64_t num_slots = static_cast<int64_t>(a_t.size()), num_chunks = (width + CHUNK - 1) / CHUNK;
   std::vector<Adapter> adapters;
   for (int64_t s = 0; s < num_slots; ++s) {

@@ -96,11 +96,12 @@ def kernel_ranges(b_t: torch.Tensor) -> torch.Tensor:
 # from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10 ms, a
 # qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
-# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, rank 8
-# on every projection, for 8 / 32 / 128 / 256 rows: qkv (576 in, 960 out) 11.5 / 21 / 70 / 135 us
-# against 55 / 68 / 99 / 140 for torch in bf16, gate_up (3072 out) 18 / 37 / 129 / 253 against
-# 64 / 80 / 140 / 212, down (1536 in, 576 out) 11 / 21 / 67 / 130 against 48 / 58 / 83 / 112.
-KERNEL_MAX_ROWS = 128
+# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, one
+# adapter of rank 8 on every projection, for 64 / 128 / 256 / 512 rows (benchmarks/lora_kernel.py):
+# qkv (576 in, 960 out) 25 / 45 / 84 / 175 us against 78 / 100 / 137 / 212 for torch in bf16,
+# gate_up (3072 out) 38 / 73 / 139 / 281 against 101 / 142 / 213 / 372, down (1536 in, 576 out)
+# 26 / 48 / 92 / 182 against 68 / 81 / 113 / 164. Past 256 torch's bf16 matmul draws level.
+KERNEL_MAX_ROWS = 256
 
 
 def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

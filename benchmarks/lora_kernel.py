@@ -1,0 +1,130 @@
+"""The native LoRA kernel (`csrc/cpu_lora.cpp`) on SmolLM2-135M's layer shapes, this tree against a
+baseline commit, in one run.
+
+Two tables, bf16 activations, adapters of `--ranks` on every projection (a fused layer's B^T
+block-diagonal, as layer_lora.shard_for_layer builds it):
+
+- `step`: one `lora_add` call for a step's rows spread over four adapters (rows % 4), at
+  `--step-rows` rows: what a decode step pays per layer;
+- `group` (this tree only): one adapter's group of n rows, the kernel against torch's path
+  (`layer_lora.low_rank_product` and an add), at `--group-rows`: where KERNEL_MAX_ROWS belongs.
+
+Each figure is the least of `--repeats` timings of 20 calls, in microseconds per call, on
+`--threads` torch threads. The baseline (`--baseline REV`; by default the merge-base with main,
+or HEAD~ on main) runs the same script in its own process (see common.py); its kernel builds
+into the kernel cache once, under its own source hash.
+
+    python benchmarks/lora_kernel.py --baseline ef0637a --output benchmarks/results/lora_kernel_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+# name: (input features, output features of each fused projection)
+SHAPES = {"qkv": (576, (576, 192, 192)), "o": (576, (576,)), "gate_up": (576, (1536, 1536)), "down": (1536, (576,))}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_baseline_argument(parser)
+    parser.add_argument("--ranks", default="8,16")
+    parser.add_argument("--step-rows", default="8,32,64,128")
+    parser.add_argument("--group-rows", default="64,128,256,512")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--measure", choices=("step", "group"), help=argparse.SUPPRESS)  # one table, this process
+    parser.add_argument("--output", type=Path)
+    return parser.parse_args()
+
+
+def least_us(fn, repeats: int, calls: int = 20) -> float:
+    for _ in range(calls):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return round(best * 1e6, 1)
+
+
+def adapter(inp: int, outs: tuple[int, ...], rank: int, gen):
+    """(A^T, B^T, k_ranges) of an adapter of `rank` on each fused projection."""
+    import torch
+
+    from pagedserve.workers.lora.layer_lora import kernel_ranges
+
+    a_t = torch.randn(inp, rank * len(outs), generator=gen) * 0.05
+    b_t = torch.zeros(rank * len(outs), sum(outs))
+    column = 0
+    for part, width in enumerate(outs):
+        b_t[part * rank : (part + 1) * rank, column : column + width] = torch.randn(rank, width, generator=gen) * 0.05
+        column += width
+    return a_t, b_t, kernel_ranges(b_t)
+
+
+def measure(table: str, args: argparse.Namespace) -> dict[str, float]:
+    import torch
+
+    from pagedserve.kernels import cpu_native
+    from pagedserve.workers.lora.layer_lora import low_rank_product
+
+    assert cpu_native.is_available(), "the native kernels did not build"
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    lora_add = torch.ops.pagedserve_cpu.lora_add
+    result = {}
+    for rank in map(int, args.ranks.split(",")):
+        for name, (inp, outs) in SHAPES.items():
+            weights = [adapter(inp, outs, rank, gen) for _ in range(4 if table == "step" else 1)]
+            a_t, b_t, ranges = (list(w) for w in zip(*weights))
+            for rows in map(int, (args.step_rows if table == "step" else args.group_rows).split(",")):
+                x = torch.randn(rows, inp, generator=gen).bfloat16()
+                out = torch.randn(rows, sum(outs), generator=gen).bfloat16()
+                slots = torch.arange(rows) % len(weights)
+                key = f"rank_{rank}/{name}/{rows}_rows"
+                kernel = least_us(lambda: lora_add(out, x, slots, a_t, b_t, ranges), args.repeats)
+                if table == "step":
+                    result[key] = kernel
+                else:
+                    torch_us = least_us(lambda: out.add_(low_rank_product(x, a_t[0], b_t[0])), args.repeats)
+                    result[key] = {"kernel_us": kernel, "torch_us": torch_us}
+    return result
+
+
+def run_tree(tree: Path, table: str, args: argparse.Namespace) -> dict:
+    argv = ["--measure", table, "--ranks", args.ranks, "--step-rows", args.step_rows, "--group-rows", args.group_rows,
+            "--threads", str(args.threads), "--repeats", str(args.repeats)]  # fmt: skip
+    return common.run_in_tree(tree, __file__, argv, timeout_s=1800)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args)))
+        return
+    with common.baseline_tree(args.baseline) as (baseline_commit, baseline_folder):
+        baseline = run_tree(baseline_folder, "step", args)
+        this_tree = run_tree(common.REPO, "step", args)
+    step = {key: {"baseline_us": baseline[key], "this_tree_us": us, "speedup": round(baseline[key] / us, 2)} for key, us in this_tree.items()}
+    report = {
+        "workload": {"ranks": args.ranks, "threads": args.threads, "dtype": "bfloat16", "model_shapes": "SmolLM2-135M", "repeats": args.repeats},
+        "trees": {"baseline": baseline_commit, "this_tree": common.commit_info()["commit"]},
+        "step_four_adapters": step,
+        "one_adapter_group": run_tree(common.REPO, "group", args),
+    }
+    common.write_report(report, args.output, indent=1)
+
+
+if __name__ == "__main__":
+    main()
