@@ -1,13 +1,14 @@
 """The native LoRA kernel (`csrc/cpu_lora.cpp`) on SmolLM2-135M's layer shapes, this tree against a
 baseline commit, in one run.
 
-Two tables, bf16 activations, adapters of `--ranks` on every projection (a fused layer's B^T
-block-diagonal, as layer_lora.shard_for_layer builds it):
+Two tables, bf16 activations, adapters of `--ranks` on every projection (a fused layer's
+projections each with their own B^T, as layer_lora.AdapterWeights holds them; a baseline from
+before it gets the one block-diagonal B^T it then used):
 
 - `step`: one `lora_add` call for a step's rows spread over four adapters (rows % 4), at
   `--step-rows` rows: what a decode step pays per layer;
 - `group` (this tree only): one adapter's group of n rows, the kernel against torch's path
-  (`layer_lora.low_rank_product` and an add), at `--group-rows`: where KERNEL_MAX_ROWS belongs.
+  (`layer_lora.add_low_rank`), at `--group-rows`: where KERNEL_MAX_ROWS belongs.
 
 Each figure is the least of `--repeats` timings of 20 calls, in microseconds per call, on
 `--threads` torch threads. The baseline (`--baseline REV`; by default the merge-base with main,
@@ -24,10 +25,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 # name: (input features, output features of each fused projection)
 SHAPES = {"qkv": (576, (576, 192, 192)), "o": (576, (576,)), "gate_up": (576, (1536, 1536)), "down": (1536, (576,))}
@@ -58,26 +63,33 @@ def least_us(fn, repeats: int, calls: int = 20) -> float:
     return round(best * 1e6, 1)
 
 
-def adapter(inp: int, outs: tuple[int, ...], rank: int, gen):
-    """(A^T, B^T, k_ranges) of an adapter of `rank` on each fused projection."""
+def adapter(inp: int, outs: tuple[int, ...], rank: int, gen) -> tuple[list[torch.Tensor], Callable]:
+    """An adapter of `rank` on each fused projection: the kernel's three arguments for it, and
+    torch's path, a function of (out, x)."""
     import torch
 
-    from pagedserve.workers.lora.layer_lora import kernel_ranges
-
     a_t = torch.randn(inp, rank * len(outs), generator=gen) * 0.05
-    b_t = torch.zeros(rank * len(outs), sum(outs))
-    column = 0
-    for part, width in enumerate(outs):
-        b_t[part * rank : (part + 1) * rank, column : column + width] = torch.randn(rank, width, generator=gen) * 0.05
+    blocks, column = [], 0
+    for width in outs:
+        blocks.append((column, torch.randn(rank, width, generator=gen) * 0.05))
         column += width
-    return a_t, b_t, kernel_ranges(b_t)
+    try:
+        from pagedserve.workers.lora.layer_lora import AdapterWeights, add_low_rank
+    except ImportError:  # a baseline tree from before the packed B: one block-diagonal B^T
+        from pagedserve.workers.lora.layer_lora import kernel_ranges, low_rank_product
+
+        b_t = torch.zeros(rank * len(outs), column)
+        for part, (first, block) in enumerate(blocks):
+            b_t[part * rank : (part + 1) * rank, first : first + block.shape[1]] = block
+        return [a_t, b_t, kernel_ranges(b_t)], lambda out, x: out.add_(low_rank_product(x, a_t, b_t))
+    weights = AdapterWeights.build(a_t, blocks)
+    return list(weights.tensors()), lambda out, x: add_low_rank(out, slice(None), x, weights)
 
 
 def measure(table: str, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     from pagedserve.kernels import cpu_native
-    from pagedserve.workers.lora.layer_lora import low_rank_product
 
     assert cpu_native.is_available(), "the native kernels did not build"
     torch.set_num_threads(args.threads)
@@ -86,19 +98,19 @@ def measure(table: str, args: argparse.Namespace) -> dict[str, float]:
     result = {}
     for rank in map(int, args.ranks.split(",")):
         for name, (inp, outs) in SHAPES.items():
-            weights = [adapter(inp, outs, rank, gen) for _ in range(4 if table == "step" else 1)]
-            a_t, b_t, ranges = (list(w) for w in zip(*weights))
+            made = [adapter(inp, outs, rank, gen) for _ in range(4 if table == "step" else 1)]
+            a_t, b_t, ranges = (list(parts) for parts in zip(*(tensors for tensors, _ in made)))
+            torch_path = made[0][1]
             for rows in map(int, (args.step_rows if table == "step" else args.group_rows).split(",")):
                 x = torch.randn(rows, inp, generator=gen).bfloat16()
                 out = torch.randn(rows, sum(outs), generator=gen).bfloat16()
-                slots = torch.arange(rows) % len(weights)
+                slots = torch.arange(rows) % len(made)
                 key = f"rank_{rank}/{name}/{rows}_rows"
                 kernel = least_us(lambda: lora_add(out, x, slots, a_t, b_t, ranges), args.repeats)
                 if table == "step":
                     result[key] = kernel
                 else:
-                    torch_us = least_us(lambda: out.add_(low_rank_product(x, a_t[0], b_t[0])), args.repeats)
-                    result[key] = {"kernel_us": kernel, "torch_us": torch_us}
+                    result[key] = {"kernel_us": kernel, "torch_us": least_us(lambda: torch_path(out, x), args.repeats)}
     return result
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve.workers.lora.context import LoRAGroups
-from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, add_lora, kernel_ranges
+from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, AdapterWeights, add_lora
 
 IN, OUT = 64, 48
 
@@ -26,8 +26,13 @@ def test_kernel_and_torch_groups_in_one_step(dtype):
     groups = LoRAGroups.of(ids, torch.device("cpu"))
     assert [lora_id for lora_id, _ in groups.large] == [1]
     assert groups.kernel_ids == [2, 3]
-    weights = {lora_id: (torch.randn(IN, r, generator=gen) * 0.2, torch.randn(r, OUT, generator=gen) * 0.2) for lora_id, r in ((1, 8), (2, 16))}
-    layer = SimpleNamespace(lora_weights={lora_id: (a, b, kernel_ranges(b)) for lora_id, (a, b) in weights.items()})
+    # Two projections, as a fused layer has: rank r on columns 0-19, r on columns 28-47; 20-27
+    # belong to a projection the adapters do not target.
+    weights = {}
+    for lora_id, r in ((1, 8), (2, 16)):
+        blocks = [(0, torch.randn(r, 20, generator=gen) * 0.2), (28, torch.randn(r, 20, generator=gen) * 0.2)]
+        weights[lora_id] = AdapterWeights.build(torch.randn(IN, 2 * r, generator=gen) * 0.2, blocks)
+    layer = SimpleNamespace(lora_weights=weights)
     x = torch.randn(len(ids), IN, generator=gen).to(dtype)
     out = torch.randn(len(ids), OUT, generator=gen).to(dtype)
     got = add_lora(layer, x, out.clone(), groups)
@@ -36,7 +41,11 @@ def test_kernel_and_torch_groups_in_one_step(dtype):
         if lora_id not in weights:
             assert torch.equal(got[row], out[row]), f"row {row} (adapter {lora_id}) changed"
             continue
-        a64, b64 = (w.double() for w in weights[lora_id])
+        assert torch.equal(got[row, 20:28], out[row, 20:28]), f"row {row}: an untargeted projection changed"
+        a64 = weights[lora_id].a_t.double()
+        b64 = torch.zeros(a64.shape[1], OUT, dtype=torch.float64)
+        for index, (column, width, first, rank, _) in enumerate(weights[lora_id].parts):
+            b64[first : first + rank, column : column + width] = weights[lora_id].b_t(index).double()
         exact = out[row].double() + (x[row].double() @ a64) @ b64
         magnitude = out[row].double().abs() + (x[row].double().abs() @ a64.abs()) @ b64.abs()
         # The torch path in bf16 rounds A, B, x A^T and the product once more each.

@@ -10,11 +10,10 @@
 // (thirty-two rank columns, then sixteen outputs, for each of its rows); elsewhere plain loops sum
 // the same terms in the same order.
 //
-// B^T of a fused layer (qkv, gate_up) is block-diagonal: each projection's rank rows are zero
-// outside its own output columns. `k_ranges` [ceil(out / 16), 2] gives, for each sixteen output
-// columns, the rank rows [lo, hi) that hold anything there (layer_lora.kernel_ranges), so the
-// product with B^T skips the zero blocks: a third of the work for q/k/v, half for gate/up. The
-// terms it skips are exact zeros, which leave a float sum as it was.
+// A layer's B^T comes as segments (layer_lora.AdapterWeights): up to sixteen output columns of
+// one projection, the rank rows [lo, hi) that feed them, and where those rows' values lie in the
+// adapter's packed B. A fused layer (qkv, gate_up) thus reads only each projection's own rank
+// rows, and the columns of a projection the adapter does not target are left alone.
 //
 // Each element is summed in a fixed order (over `in` for x A^T, over the rank for the product
 // with B^T), one row at a time, so a row's result does not depend on the rows beside it. The sum
@@ -36,7 +35,7 @@ using pagedserve::round_to;
 using pagedserve::to_float;
 
 constexpr int64_t BLOCK = 8;  // rows of one adapter that share a read of its A and B
-constexpr int64_t CHUNK = 16;  // output columns per entry of k_ranges
+constexpr int64_t CHUNK = 16;  // output columns of a segment at most
 
 struct Task {
   int64_t slot;
@@ -44,11 +43,15 @@ struct Task {
   int64_t count;
 };
 
+struct Segment {
+  int64_t column, cols, lo, hi, offset, stride;  // B^T[k][column + o] = b[offset + (k - lo) * stride + o]
+};
+
 struct Adapter {
   const float* a_t;  // [in, rank]
-  const float* b_t;  // [rank, width]
-  const int64_t* k_ranges;  // [ceil(width / CHUNK), 2]
-  int64_t rank;
+  const float* b;  // the projections' B^T, packed
+  const Segment* segments;
+  int64_t num_segments, rank;
 };
 
 // Rows grouped by adapter, in row order within each, cut into blocks.
@@ -118,28 +121,27 @@ void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t widt
   int64_t k0 = 0;
   for (; k0 + 16 < rank; k0 += 32) x_times_a_t<M, 2>(xf, in, ad, k0, h);
   if (k0 < rank) x_times_a_t<M, 1>(xf, in, ad, k0, h);
-  for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {
-    const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
-    const __mmask16 cols = width - o0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (width - o0)) - 1);
-    if (lo == hi) continue;  // no rank row reaches these columns: nothing to add
+  for (int64_t g = 0; g < ad.num_segments; ++g) {
+    const Segment& seg = ad.segments[g];
+    const __mmask16 cols = seg.cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << seg.cols) - 1);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-    int64_t k = lo;
-    do {
-      const __m512 b = _mm512_maskz_loadu_ps(cols, ad.b_t + k * width + o0);
+    int64_t k = seg.lo;
+    do {  // lo < hi (lora_add checks); see x_times_a_t for why not a for loop
+      const __m512 b = _mm512_maskz_loadu_ps(cols, ad.b + seg.offset + (k - seg.lo) * seg.stride);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(h[r * rank + k]), b, acc[r]);
-    } while (++k < hi);
+    } while (++k < seg.hi);
     if (cols == 0xFFFF) {
       for (int r = 0; r < M; ++r) {
-        T* dst = out + rows[r] * width + o0;
+        T* dst = out + rows[r] * width + seg.column;
         pagedserve::store16(dst, _mm512_add_ps(pagedserve::load16(dst), acc[r]));
       }
-    } else {  // the last columns of a width that is not a multiple of sixteen
+    } else {  // a projection's last columns, when its width is not a multiple of sixteen
       alignas(64) float sum[M][16];
       for (int r = 0; r < M; ++r) _mm512_store_ps(sum[r], acc[r]);
       for (int r = 0; r < M; ++r) {
-        T* dst = out + rows[r] * width + o0;
-        for (int64_t o = 0; o < width - o0; ++o) dst[o] = round_to<T>(to_float(dst[o]) + sum[r][o]);
+        T* dst = out + rows[r] * width + seg.column;
+        for (int64_t o = 0; o < seg.cols; ++o) dst[o] = round_to<T>(to_float(dst[o]) + sum[r][o]);
       }
     }
   }
@@ -182,19 +184,17 @@ void run_task(const Task& task, T* out, const T* x, int64_t in, int64_t width, c
     }
   }
   float acc[CHUNK];
-  for (int64_t o0 = 0; o0 < width; o0 += CHUNK) {  // each sums over its chunk's rank rows in order
-    const int64_t lo = ad.k_ranges[2 * (o0 / CHUNK)], hi = ad.k_ranges[2 * (o0 / CHUNK) + 1];
-    const int64_t cols = std::min(CHUNK, width - o0);
-    if (lo == hi) continue;  // no rank row reaches these columns: nothing to add
+  for (int64_t g = 0; g < ad.num_segments; ++g) {  // each sums over its rank rows in order
+    const Segment& seg = ad.segments[g];
     for (int64_t r = 0; r < m; ++r) {
-      for (int64_t o = 0; o < cols; ++o) acc[o] = 0.f;
-      for (int64_t k = lo; k < hi; ++k) {
+      for (int64_t o = 0; o < seg.cols; ++o) acc[o] = 0.f;
+      for (int64_t k = seg.lo; k < seg.hi; ++k) {
         const float hv = h[r * rank + k];
-        const float* b_row = ad.b_t + k * width + o0;
-        for (int64_t o = 0; o < cols; ++o) acc[o] += hv * b_row[o];
+        const float* b_row = ad.b + seg.offset + (k - seg.lo) * seg.stride;
+        for (int64_t o = 0; o < seg.cols; ++o) acc[o] += hv * b_row[o];
       }
-      T* dst = out + task.rows[r] * width + o0;
-      for (int64_t o = 0; o < cols; ++o) dst[o] = round_to<T>(to_float(dst[o]) + acc[o]);
+      T* dst = out + task.rows[r] * width + seg.column;
+      for (int64_t o = 0; o < seg.cols; ++o) dst[o] = round_to<T>(to_float(dst[o]) + acc[o]);
     }
   }
 }
@@ -212,34 +212,43 @@ void add_all(const std::vector<Task>& tasks, const std::vector<Adapter>& adapter
   });
 }
 
+// One adapter's arguments, checked: every segment within out's columns, A^T's rank and b.
+Adapter check_adapter(int64_t s, const at::Tensor& a_t, const at::Tensor& b, const at::Tensor& segments, int64_t in, int64_t width) {
+  TORCH_CHECK(a_t.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a_t.is_contiguous() && b.is_contiguous(),
+              "lora_add: A^T and B float32, contiguous");
+  TORCH_CHECK(a_t.dim() == 2 && a_t.size(0) == in && b.dim() == 1, "lora_add: adapter ", s, " has A^T ", a_t.sizes(), " and B ", b.sizes(),
+              " for x with ", in, " columns (A^T [in, rank], B one dimension)");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() && segments.dim() == 2 && segments.size(1) == 6,
+              "lora_add: adapter ", s, "'s segments must be int64 [S, 6]");
+  static_assert(sizeof(Segment) == 6 * sizeof(int64_t));
+  const auto* segs = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
+  const int64_t rank = a_t.size(1), num_segments = segments.size(0);
+  for (int64_t g = 0; g < num_segments; ++g) {
+    const Segment& seg = segs[g];
+    TORCH_CHECK(seg.column >= 0 && seg.cols >= 1 && seg.cols <= CHUNK && seg.column + seg.cols <= width,
+                "lora_add: adapter ", s, "'s segment ", g, " is outside out's ", width, " columns");
+    TORCH_CHECK(seg.lo >= 0 && seg.lo < seg.hi && seg.hi <= rank, "lora_add: adapter ", s, "'s segment ", g, " has rank rows outside its rank");
+    TORCH_CHECK(seg.offset >= 0 && seg.stride >= seg.cols && seg.offset + (seg.hi - seg.lo - 1) * seg.stride + seg.cols <= b.numel(),
+                "lora_add: adapter ", s, "'s segment ", g, " reads past its B");
+  }
+  return {a_t.data_ptr<float>(), b.data_ptr<float>(), segs, num_segments, rank};
+}
+
 // out [n, width] += each adapted row's (x [n, in] A_s^T) B_s^T; row_slot [n] int64 names the
-// row's entry of a_t / b_t / k_ranges (A^T [in, r_s] and B^T [r_s, width] float32, the rank
-// rows of each sixteen columns int64 [ceil(width / 16), 2]), -1 for none.
-void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, at::TensorList a_t, at::TensorList b_t,
-              at::TensorList k_ranges) {
+// row's entry of a_t / b / segments (A^T [in, r_s] float32, the projections' B^T packed in one
+// float32 vector, int64 [S, 6] segments: see Segment), -1 for none.
+void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, at::TensorList a_t, at::TensorList b,
+              at::TensorList segments) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == out.scalar_type(),
               "lora_add: out [rows, width] and x [rows, in] contiguous, of one dtype");
   TORCH_CHECK(row_slot.scalar_type() == at::kLong && row_slot.is_contiguous() && row_slot.numel() == x.size(0) && out.size(0) == x.size(0),
               "lora_add: row_slot [rows] int64");
-  TORCH_CHECK(a_t.size() == b_t.size() && a_t.size() == k_ranges.size(), "lora_add: one B and one k_ranges for each A");
+  TORCH_CHECK(a_t.size() == b.size() && a_t.size() == segments.size(), "lora_add: one B and one segments for each A");
   const int64_t n = x.size(0), in = x.size(1), width = out.size(1);
   TORCH_CHECK(in > 0, "lora_add: x needs at least one column");
-  const int64_t num_slots = static_cast<int64_t>(a_t.size()), num_chunks = (width + CHUNK - 1) / CHUNK;
+  const int64_t num_slots = static_cast<int64_t>(a_t.size());
   std::vector<Adapter> adapters;
-  for (int64_t s = 0; s < num_slots; ++s) {
-    TORCH_CHECK(a_t[s].scalar_type() == at::kFloat && b_t[s].scalar_type() == at::kFloat && a_t[s].is_contiguous() && b_t[s].is_contiguous(),
-                "lora_add: A^T and B^T float32, contiguous");
-    TORCH_CHECK(a_t[s].dim() == 2 && a_t[s].size(0) == in && b_t[s].dim() == 2 && b_t[s].size(0) == a_t[s].size(1) && b_t[s].size(1) == width,
-                "lora_add: adapter ", s, " has A^T ", a_t[s].sizes(), " and B^T ", b_t[s].sizes(), " for x ", x.sizes(), " and out ", out.sizes());
-    const at::Tensor& ranges = k_ranges[s];
-    TORCH_CHECK(ranges.scalar_type() == at::kLong && ranges.is_contiguous() && ranges.dim() == 2 && ranges.size(0) == num_chunks && ranges.size(1) == 2,
-                "lora_add: adapter ", s, "'s k_ranges must be int64 [", num_chunks, ", 2]");
-    const int64_t rank = a_t[s].size(1);
-    const int64_t* bounds = ranges.data_ptr<int64_t>();
-    for (int64_t c = 0; c < num_chunks; ++c)
-      TORCH_CHECK(0 <= bounds[2 * c] && bounds[2 * c] <= bounds[2 * c + 1] && bounds[2 * c + 1] <= rank, "lora_add: adapter ", s, "'s k_ranges outside its rank");
-    adapters.push_back({a_t[s].data_ptr<float>(), b_t[s].data_ptr<float>(), bounds, rank});
-  }
+  for (int64_t s = 0; s < num_slots; ++s) adapters.push_back(check_adapter(s, a_t[s], b[s], segments[s], in, width));
   const int64_t* slots = row_slot.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j) TORCH_CHECK(slots[j] >= -1 && slots[j] < num_slots, "lora_add: row ", j, " names adapter ", slots[j]);
   const std::vector<Task> tasks = make_tasks(slots, n, num_slots);
@@ -254,7 +263,7 @@ void lora_add(at::Tensor out, const at::Tensor& x, const at::Tensor& row_slot, a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor row_slot, Tensor[] a_t, Tensor[] b_t, Tensor[] k_ranges) -> ()");
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor row_slot, Tensor[] a_t, Tensor[] b, Tensor[] segments) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("lora_add", &lora_add); }

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.lora.context import current_groups
-from pagedserve.workers.lora.layer_lora import add_lora
+from pagedserve.workers.lora.layer_lora import AdapterWeights, add_lora
 from pagedserve.workers.parallel_state import ParallelContext, divide
 
 
@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_parameter(self.output_size_per_rank, input_size, loader=self.weight_loader)
         self.bias = new_parameter(self.output_size_per_rank, loader=self.weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None
-        self.lora_weights: dict[int, tuple[torch.Tensor, ...]] = {}  # lora_int_id -> this rank's (A^T, B^T, k ranges)
+        self.lora_weights: dict[int, AdapterWeights] = {}  # lora_int_id -> this rank's share
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.output_size_per_rank
@@ -143,7 +143,7 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter(output_size, self.input_size_per_rank, loader=self.weight_loader)
         self.bias = new_parameter(output_size, loader=default_weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None
-        self.lora_weights: dict[int, tuple[torch.Tensor, ...]] = {}  # lora_int_id -> this rank's (A^T, B^T, k ranges)
+        self.lora_weights: dict[int, AdapterWeights] = {}  # lora_int_id -> this rank's share
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         size = self.input_size_per_rank

@@ -1,41 +1,96 @@
 """One linear layer's adapters on this rank, and the low-rank products added to its output.
 
-A layer holds, per resident adapter, `A^T` [in, r_total] and `B^T` [r_total, out] (transposed, as
-the native kernel reads them, with `kernel_ranges(B^T)`) already cut to this rank's shard, so that
-`x A^T B^T` is exactly this rank's share of the adapter's delta:
-- column-parallel layers (q/k/v in the fused qkv, gate/up in the fused gate_up): B's rows are the
-  rank's output rows, placed where the base layer places them, one block of columns per fused
-  projection (B is block-diagonal over them, A their ranks stacked), so one pair of matmuls
-  serves every projection the adapter targets;
+A layer holds, per resident adapter, an `AdapterWeights`: `A^T` [in, r_total] and each adapted
+projection's `B^T` [r_p, width_p] (transposed, as the native kernel reads them), already cut to
+this rank's shard, so that `x A^T B^T` is exactly this rank's share of the adapter's delta:
+- column-parallel layers (q/k/v in the fused qkv, gate/up in the fused gate_up): A stacks the
+  projections' ranks, and each projection's B^T covers only that projection's output columns,
+  where the base layer places them (found through the base layer's own weight loader, so the
+  shards match its split exactly). One x A^T serves every projection the adapter targets; the
+  columns of a projection it does not target are left alone;
 - row-parallel layers (o, down): A's columns are the rank's input columns; the product is added
   to the rank's partial sum before the all-reduce, which sums the shards as it sums the base's.
-The B rows come from the base layer's own weight loader, so the shards match its split exactly."""
+Before, a fused layer's B was one block-diagonal [out, r_total] matrix, whose zeros took half of
+gate_up's B and two thirds of qkv's, and which torch's products multiplied."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedserve.kernels import cpu_native
 
+KERNEL_CHUNK = 16  # output columns per kernel segment at most (csrc/cpu_lora.cpp's CHUNK)
 
-def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (A, B) of the adapter's `parts` (shard id -> full A [r, in], B [out, r]) on
-    `layer` (shard ids as the base layer's loader takes them: "q"/"k"/"v", 0/1, or None)."""
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter on one layer of this rank. `b` holds each projection's B^T [rank, width]
+    row-major, one after another; `parts` says where: (first output column, width, first rank
+    row of A^T, rank, offset in `b`). `segments` is the native kernel's view of the same,
+    int64 [S, 6]: (first column, columns <= 16, rank rows lo, hi, offset in `b` of row lo, row
+    stride), each segment inside one projection."""
+
+    a_t: torch.Tensor
+    b: torch.Tensor
+    parts: tuple[tuple[int, int, int, int, int], ...]
+    segments: torch.Tensor
+
+    @classmethod
+    def build(cls, a_t: torch.Tensor, blocks: list[tuple[int, torch.Tensor]]) -> AdapterWeights:
+        """From A^T [in, r_total] and each projection's (first column, B^T [r_p, width_p]), in
+        A's rank order; on A^T's device and in its dtype."""
+        parts, segments, flat, row, offset = [], [], [], 0, 0
+        for column, b_t in blocks:
+            rank, width = b_t.shape
+            parts.append((column, width, row, rank, offset))
+            for first in range(0, width, KERNEL_CHUNK):
+                segments.append((column + first, min(KERNEL_CHUNK, width - first), row, row + rank, offset + first, width))
+            flat.append(b_t.reshape(-1))
+            row, offset = row + rank, offset + b_t.numel()
+        if row != a_t.shape[1]:
+            raise ValueError(f"the projections' ranks sum to {row}, A^T has {a_t.shape[1]} columns")
+        b = torch.cat(flat).to(a_t) if flat else a_t.new_empty(0)
+        return cls(a_t, b, tuple(parts), torch.tensor(segments, dtype=torch.long, device=a_t.device).reshape(-1, 6))
+
+    @property
+    def nbytes(self) -> int:
+        return self.a_t.nbytes + self.b.nbytes
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.a_t, self.b, self.segments
+
+    def b_t(self, index: int) -> torch.Tensor:
+        """Projection `index`'s B^T [rank, width], a view of `b`."""
+        _, width, _, rank, offset = self.parts[index]
+        return self.b[offset : offset + rank * width].view(rank, width)
+
+
+def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """This rank's A [r_total, in] and, for each projection, (first output column, B [width, r])
+    of the adapter's `parts` (shard id -> full A [r, in], B [out, r]) on `layer` (shard ids as
+    the base layer's loader takes them: "q"/"k"/"v", 0/1, or None)."""
     if hasattr(layer, "input_size_per_rank"):  # row-parallel: one part, A's columns split
         [(a, b)] = parts.values()
         start = layer.parallel.tp_rank * layer.input_size_per_rank
-        return a[:, start : start + layer.input_size_per_rank].contiguous(), b.contiguous()
+        return a[:, start : start + layer.input_size_per_rank].contiguous(), [(0, b.contiguous())]
     out_rows = layer.output_size_per_rank
-    ranks = [a.shape[0] for a, _ in parts.values()]
-    big_b = torch.zeros(out_rows, sum(ranks))
-    column = 0
-    for (shard_id, (_, b)), rank in zip(parts.items(), ranks):
-        layer.weight_loader(big_b[:, column : column + rank], b, shard_id)  # this rank's rows, where the base puts them
-        column += rank
-    return torch.cat([a for a, _ in parts.values()]), big_b
+    blocks = []
+    for shard_id, (_, b) in parts.items():
+        # The base loader copies this rank's rows of the projection to where it keeps them; a
+        # column of ones marks which rows those are.
+        placed, marker = torch.zeros(out_rows, b.shape[1]), torch.zeros(out_rows, 1)
+        layer.weight_loader(placed, b, shard_id)
+        layer.weight_loader(marker, torch.ones(b.shape[0], 1), shard_id)
+        rows = marker[:, 0].nonzero().flatten()
+        first, width = int(rows[0]), len(rows)
+        if int(rows[-1]) - first + 1 != width:
+            raise ValueError(f"projection {shard_id!r} does not take contiguous rows of the layer")
+        blocks.append((first, placed[first : first + width]))
+    return torch.cat([a for a, _ in parts.values()]), blocks
 
 
 def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> torch.Tensor:
@@ -46,49 +101,24 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     adapters = layer.lora_weights
     remaining = groups.groups
     if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
-        no_adapter = _no_adapter(x.shape[1], out.shape[1])
+        no_adapter = _no_adapter(x.shape[1])
         weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
-        a_t, b_t, k_ranges = ([w[i] for w in weights] for i in range(3))
-        torch.ops.pagedserve_cpu.lora_add(out, x.contiguous(), groups.kernel_rows, a_t, b_t, k_ranges)
+        torch.ops.pagedserve_cpu.lora_add(
+            out, x.contiguous(), groups.kernel_rows, [w.a_t for w in weights], [w.b for w in weights], [w.segments for w in weights]
+        )
         remaining = groups.large
     for lora_id, rows in remaining:
         weights = adapters.get(lora_id)
-        if weights is None:
-            continue
-        a_t, b_t, _ = weights
-        if isinstance(rows, slice):
-            out[rows] += low_rank_product(x[rows], a_t, b_t)
-        else:
-            out.index_add_(0, rows, low_rank_product(x.index_select(0, rows), a_t, b_t))
+        if weights is not None:
+            add_low_rank(out, rows, x, weights)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _no_adapter(in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
+def _no_adapter(in_features: int) -> AdapterWeights:
     """A rank-0 adapter: what the kernel gets for a step's adapter that does not target a layer
-    of these sizes."""
-    b_t = torch.empty(0, out_features)
-    return torch.empty(in_features, 0), b_t, kernel_ranges(b_t)
-
-
-KERNEL_CHUNK = 16  # output columns per entry of the kernel's k_ranges (csrc/cpu_lora.cpp's CHUNK)
-
-
-def kernel_ranges(b_t: torch.Tensor) -> torch.Tensor:
-    """For each KERNEL_CHUNK output columns of B^T [r, out], the rank rows [lo, hi) with a nonzero
-    there (int64 [chunks, 2]; (0, 0) for none). A fused layer's B^T is block-diagonal over its
-    projections, so the kernel's product with it then skips the zero blocks."""
-    rank, width = b_t.shape
-    chunks = -(-width // KERNEL_CHUNK)
-    if rank == 0:
-        return torch.zeros(chunks, 2, dtype=torch.long)
-    nonzero = torch.zeros(rank, chunks * KERNEL_CHUNK, dtype=torch.bool)
-    nonzero[:, :width] = b_t != 0
-    used = nonzero.view(rank, chunks, KERNEL_CHUNK).any(-1)  # [rank, chunks]
-    has_any = used.any(0)
-    lo = used.int().argmax(0)  # the first rank row used
-    hi = rank - used.flip(0).int().argmax(0)  # one past the last
-    return torch.stack([torch.where(has_any, lo, 0), torch.where(has_any, hi, 0)], dim=1).long().contiguous()
+    of this input size."""
+    return AdapterWeights.build(torch.empty(in_features, 0), [])
 
 
 # Rows of one adapter up to which its product runs in float32 where the kernel is not there.
@@ -108,6 +138,27 @@ def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> t
     """`x A^T B^T` in x's dtype, from A^T [in, r] and B^T [r, out]. They are kept in float32 on
     the CPU (workers/lora/manager.py): decode steps bring few rows per adapter, where float32 is
     faster and rounds once, at the end; a larger group (a prefill chunk) runs in x's dtype."""
+    return _times_b_t(_times_a_t(x, a_t), b_t, x.dtype)
+
+
+def add_low_rank(out: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor, weights: AdapterWeights) -> None:
+    """out[rows] += x[rows] A^T B^T, one x A^T for every projection, then each projection's
+    product into its own columns (low_rank_product's dtypes)."""
+    x_rows = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+    h = _times_a_t(x_rows, weights.a_t)
+    for index, (column, width, first, rank, _) in enumerate(weights.parts):
+        delta = _times_b_t(h[:, first : first + rank], weights.b_t(index), x.dtype)
+        if isinstance(rows, slice):
+            out[rows, column : column + width] += delta
+        else:
+            out[:, column : column + width].index_add_(0, rows, delta)
+
+
+def _times_a_t(x: torch.Tensor, a_t: torch.Tensor) -> torch.Tensor:
     if x.dtype == a_t.dtype or x.shape[0] <= FLOAT32_MAX_ROWS:
-        return ((x.to(a_t.dtype) @ a_t) @ b_t).to(x.dtype)
-    return (x @ a_t.to(x.dtype)) @ b_t.to(x.dtype)
+        return x.to(a_t.dtype) @ a_t
+    return x @ a_t.to(x.dtype)
+
+
+def _times_b_t(h: torch.Tensor, b_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (h @ b_t.to(h.dtype)).to(dtype)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagedserve.lora_request import LoRARequest
-from pagedserve.workers.lora.layer_lora import kernel_ranges, shard_for_layer
+from pagedserve.workers.lora.layer_lora import AdapterWeights, shard_for_layer
 from pagedserve.workers.lora.peft_adapter import check_adapter, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -36,9 +36,9 @@ PROJECTIONS = {
 }
 
 
-# One adapter's weights for this rank: (module, (A^T, B^T, kernel_ranges(B^T))) for each adapted
-# module, and their bytes.
-Prepared = tuple[list[tuple[Any, tuple[torch.Tensor, ...]]], int]
+# One adapter's weights for this rank: (module, its AdapterWeights) for each adapted module, and
+# their bytes.
+Prepared = tuple[list[tuple[Any, AdapterWeights]], int]
 
 
 def _one_torch_thread() -> None:
@@ -138,10 +138,11 @@ class WorkerLoRAManager:
             if layer_index not in self.layers:
                 continue  # another pipeline stage's layer
             module = self.layers[layer_index].get_submodule(module_name)
-            a, b = shard_for_layer(module, parts)
-            a_t, b_t = (t.t().to(self.device, self.lora_dtype).contiguous() for t in (a, b))
-            prepared.append((module, (a_t, b_t, kernel_ranges(b_t).to(self.device))))
-            num_bytes += a_t.nbytes + b_t.nbytes
+            a, blocks = shard_for_layer(module, parts)
+            a_t = a.t().to(self.device, self.lora_dtype).contiguous()
+            weights = AdapterWeights.build(a_t, [(column, b.t()) for column, b in blocks])
+            prepared.append((module, weights))
+            num_bytes += weights.nbytes
         return prepared, num_bytes
 
     def _install(self, request: LoRARequest, prepared: Prepared) -> None:
