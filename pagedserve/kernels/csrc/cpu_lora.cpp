@@ -126,11 +126,14 @@ void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t widt
     const __mmask16 cols = seg.cols == 16 ? __mmask16(0xFFFF) : __mmask16((1u << seg.cols) - 1);
     __m512 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    const float* b_row = ad.b + seg.offset;
+    const int64_t stride = seg.stride, hi = seg.hi;
     int64_t k = seg.lo;
     do {  // lo < hi (lora_add checks); see x_times_a_t for why not a for loop
-      const __m512 b = _mm512_maskz_loadu_ps(cols, ad.b + seg.offset + (k - seg.lo) * seg.stride);
+      const __m512 b = _mm512_maskz_loadu_ps(cols, b_row);
       for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(h[r * rank + k]), b, acc[r]);
-    } while (++k < seg.hi);
+      b_row += stride;
+    } while (++k < hi);
     if (cols == 0xFFFF) {
       for (int r = 0; r < M; ++r) {
         T* dst = out + rows[r] * width + seg.column;

@@ -127,11 +127,11 @@ def _no_adapter(in_features: int) -> AdapterWeights:
 # qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
 # Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, one
-# adapter of rank 8 on every projection, for 64 / 128 / 256 / 512 rows (benchmarks/lora_kernel.py):
-# qkv (576 in, 960 out) 25 / 45 / 84 / 175 us against 78 / 100 / 137 / 212 for torch in bf16,
-# gate_up (3072 out) 38 / 73 / 139 / 281 against 101 / 142 / 213 / 372, down (1536 in, 576 out)
-# 26 / 48 / 92 / 182 against 68 / 81 / 113 / 164. Past 256 torch's bf16 matmul draws level.
-KERNEL_MAX_ROWS = 256
+# adapter of rank 16 on every projection, for 128 / 512 / 1024 rows (benchmarks/lora_kernel.py,
+# lora_kernel_cpu.json): qkv (576 in, 960 out) 68 / 254 / 558 us against 220 / 357 / 603 for
+# torch (add_low_rank, in bf16 past FLOAT32_MAX_ROWS), gate_up (3072 out) 141 / 476 / 963
+# against 313 / 515 / 1272, down (1536 in, 576 out) 64 / 240 / 475 against 162 / 295 / 385.
+KERNEL_MAX_ROWS = 512
 
 
 def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
