@@ -111,9 +111,9 @@ void rows_to_float(const int64_t* rows, const T* x, int64_t in, float* xf) {
   }
 }
 
-// M rows (one block): x A^T two chunks of sixteen rank columns at a time, then the product with
-// B^T sixteen outputs at a time. Each element is summed over `in`, then over the rank, in order
-// from the first term, as the portable loops below sum it.
+// M rows (one block): x A^T two chunks of sixteen rank columns at a time, then each segment's
+// product with B^T (up to sixteen outputs). Each element is summed over `in`, then over the rank,
+// in order from the first term, as the portable loops below sum it.
 template <typename T, int M>
 void run_block(const int64_t* rows, T* out, const T* x, int64_t in, int64_t width, const Adapter& ad, float* h, float* xf) {
   const int64_t rank = ad.rank;

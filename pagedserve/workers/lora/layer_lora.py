@@ -128,9 +128,9 @@ def _no_adapter(in_features: int) -> AdapterWeights:
 FLOAT32_MAX_ROWS = 32
 # Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, one
 # adapter of rank 16 on every projection, for 128 / 512 / 1024 rows (benchmarks/lora_kernel.py,
-# lora_kernel_cpu.json): qkv (576 in, 960 out) 68 / 254 / 558 us against 220 / 357 / 603 for
-# torch (add_low_rank, in bf16 past FLOAT32_MAX_ROWS), gate_up (3072 out) 141 / 476 / 963
-# against 313 / 515 / 1272, down (1536 in, 576 out) 64 / 240 / 475 against 162 / 295 / 385.
+# lora_kernel_cpu.json): qkv (576 in, 960 out) 69 / 257 / 512 us against 315 / 449 / 628 for
+# torch (add_low_rank, in bf16 past FLOAT32_MAX_ROWS), gate_up (3072 out) 119 / 458 / 905
+# against 344 / 587 / 989, down (1536 in, 576 out) 58 / 214 / 426 against 175 / 290 / 394.
 KERNEL_MAX_ROWS = 512
 
 
