@@ -1,13 +1,14 @@
-"""The low-rank product of one adapter's rows (workers/lora/layer_lora.py): in float32 for the few
-rows of a decode step, in the activations' dtype for a larger group, within one rounding of the
-float64 product either way; float32 activations take float32 throughout (the exactness tests)."""
+"""Torch's low-rank product of one adapter's rows (workers/lora/layer_lora.add_low_rank): in
+float32 for the few rows of a decode step, in the activations' dtype for a larger group, within
+one rounding of the float64 product either way; float32 activations take float32 throughout (the
+exactness tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.workers.lora.layer_lora import FLOAT32_MAX_ROWS, low_rank_product
+from pagedserve.workers.lora.layer_lora import FLOAT32_MAX_ROWS, AdapterWeights, add_low_rank
 
 
 @pytest.mark.parametrize("rows", [1, FLOAT32_MAX_ROWS, FLOAT32_MAX_ROWS + 1, 200])
@@ -16,7 +17,8 @@ def test_product_is_within_a_rounding_of_float64(rows, dtype):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=generator).to(dtype)
     a, b = torch.randn(8, 96, generator=generator) * 0.1, torch.randn(40, 8, generator=generator) * 0.1
-    got = low_rank_product(x, a.t().contiguous(), b.t().contiguous())
+    got = torch.zeros(rows, 40, dtype=dtype)
+    add_low_rank(got, slice(None), x, AdapterWeights.build(a.t().contiguous(), [(0, b.t().contiguous())]))
     assert got.dtype == dtype and got.shape == (rows, 40)
     exact = (x.double() @ a.double().t()) @ b.double().t()
     magnitude = (x.double().abs() @ a.double().abs().t()) @ b.double().abs().t()  # bounds what rounding can move

@@ -134,16 +134,11 @@ FLOAT32_MAX_ROWS = 32
 KERNEL_MAX_ROWS = 512
 
 
-def low_rank_product(x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """`x A^T B^T` in x's dtype, from A^T [in, r] and B^T [r, out]. They are kept in float32 on
-    the CPU (workers/lora/manager.py): decode steps bring few rows per adapter, where float32 is
-    faster and rounds once, at the end; a larger group (a prefill chunk) runs in x's dtype."""
-    return _times_b_t(_times_a_t(x, a_t), b_t, x.dtype)
-
-
 def add_low_rank(out: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor, weights: AdapterWeights) -> None:
     """out[rows] += x[rows] A^T B^T, one x A^T for every projection, then each projection's
-    product into its own columns (low_rank_product's dtypes)."""
+    product into its own columns. The adapters are kept in float32 on the CPU (manager.py):
+    a few rows (a decode step's) run in float32, which is faster there and rounds once, at the
+    end; a larger group (a prefill chunk) runs in x's dtype."""
     x_rows = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
     h = _times_a_t(x_rows, weights.a_t)
     for index, (column, width, first, rank, _) in enumerate(weights.parts):

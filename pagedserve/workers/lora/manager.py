@@ -57,7 +57,7 @@ class WorkerLoRAManager:
         self.capacity = capacity
         self.dtype, self.device = dtype, device
         # Adapters are held in float32 on the CPU, whatever the model's dtype (layer_lora.py's
-        # low_rank_product: faster at decode sizes); a GPU keeps the model's dtype.
+        # add_low_rank: faster at decode sizes); a GPU keeps the model's dtype.
         self.lora_dtype = torch.float32 if device.type == "cpu" else dtype
         self.resident: OrderedDict[int, str] = OrderedDict()  # lora_int_id -> its path, oldest first
         self.reading: dict[int, Future] = {}  # lora_int_id -> its read, started by prefetch
