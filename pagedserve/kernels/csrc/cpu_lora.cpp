@@ -25,7 +25,6 @@
 
 #include "vec_math.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
