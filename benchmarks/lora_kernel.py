@@ -8,7 +8,10 @@ before it gets the one block-diagonal B^T it then used):
 - `step`: one `lora_add` call for a step's rows spread over four adapters (rows % 4), at
   `--step-rows` rows: what a decode step pays per layer;
 - `group` (this tree only): one adapter's group of n rows, the kernel against torch's path
-  (`layer_lora.add_low_rank`), at `--group-rows`: where KERNEL_MAX_ROWS belongs.
+  (`layer_lora.add_low_rank`), at `--group-rows`: the n rows of a step of n (`contiguous`, one
+  prefill chunk) and every other row of a step of 2n (`scattered`, prefills of two adapters
+  interleaved, which torch gathers and adds back with index_add_). This table is why the kernel
+  takes groups of every size (layer_lora.add_lora).
 
 Each figure is the least of `--repeats` timings of 20 calls, in microseconds per call, on
 `--threads` torch threads; the step table takes the least over `--rounds` runs of each tree,
@@ -44,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     common.add_baseline_argument(parser)
     parser.add_argument("--ranks", default="8,16")
     parser.add_argument("--step-rows", default="8,32,64,128")
-    parser.add_argument("--group-rows", default="64,128,256,512")
+    parser.add_argument("--group-rows", default="128,512,1024,2048")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each tree for the step table (the least of them)")
@@ -85,10 +88,10 @@ def adapter(inp: int, outs: tuple[int, ...], rank: int, gen) -> tuple[list[torch
             b_t[part * rank : (part + 1) * rank, first : first + block.shape[1]] = block
         return [a_t, b_t, kernel_ranges(b_t)], lambda out, x: out.add_(low_rank_product(x, a_t, b_t))
     weights = AdapterWeights.build(a_t, blocks)
-    return list(weights.tensors()), lambda out, x: add_low_rank(out, slice(None), x, weights)
+    return list(weights.tensors()), lambda out, x, rows=slice(None): add_low_rank(out, rows, x, weights)
 
 
-def measure(table: str, args: argparse.Namespace) -> dict[str, float]:
+def measure(table: str, args: argparse.Namespace) -> dict:
     import torch
 
     from pagedserve.kernels import cpu_native
@@ -101,19 +104,40 @@ def measure(table: str, args: argparse.Namespace) -> dict[str, float]:
     for rank in map(int, args.ranks.split(",")):
         for name, (inp, outs) in SHAPES.items():
             made = [adapter(inp, outs, rank, gen) for _ in range(4 if table == "step" else 1)]
-            a_t, b_t, ranges = (list(parts) for parts in zip(*(tensors for tensors, _ in made)))
-            torch_path = made[0][1]
+            tensors = [list(parts) for parts in zip(*(tensors for tensors, _ in made))]
             for rows in map(int, (args.step_rows if table == "step" else args.group_rows).split(",")):
-                x = torch.randn(rows, inp, generator=gen).bfloat16()
-                out = torch.randn(rows, sum(outs), generator=gen).bfloat16()
-                slots = torch.arange(rows) % len(made)
                 key = f"rank_{rank}/{name}/{rows}_rows"
-                kernel = least_us(lambda: lora_add(out, x, slots, a_t, b_t, ranges), args.repeats)
                 if table == "step":
-                    result[key] = kernel
-                else:
-                    result[key] = {"kernel_us": kernel, "torch_us": least_us(lambda: torch_path(out, x), args.repeats)}
+                    x, out = step_tensors(rows, inp, sum(outs), gen)
+                    slots = torch.arange(rows) % len(made)
+                    result[key] = least_us(lambda: lora_add(out, x, slots, *tensors), args.repeats)
+                    continue
+                result[key] = {}
+                for layout, every in (("contiguous", 1), ("scattered", 2)):
+                    x, out = step_tensors(every * rows, inp, sum(outs), gen)
+                    picked = torch.arange(0, every * rows, every)
+                    slots = torch.full((every * rows,), -1).index_fill_(0, picked, 0)
+                    torch_rows = slice(None) if every == 1 else picked
+                    result[key][f"{layout}_kernel_us"] = least_us(lambda: lora_add(out, x, slots, *tensors), args.repeats, calls=5)
+                    result[key][f"{layout}_torch_us"] = least_us(lambda: made[0][1](out, x, torch_rows), args.repeats, calls=5)
     return result
+
+
+def step_tensors(rows: int, inp: int, width: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    return torch.randn(rows, inp, generator=gen).bfloat16(), torch.randn(rows, width, generator=gen).bfloat16()
+
+
+def layer_totals(group: dict) -> dict:
+    """Each table row's sum over the layer's four projections, per rank and rows."""
+    totals: dict = {}
+    for key, times in group.items():
+        rank, _, rows = key.split("/")
+        into = totals.setdefault(f"{rank}/all/{rows}", {})
+        for name, us in times.items():
+            into[name] = round(into.get(name, 0.0) + us, 1)
+    return totals
 
 
 def run_tree(tree: Path, table: str, args: argparse.Namespace) -> dict:
@@ -139,7 +163,8 @@ def main() -> None:
         "workload": {"ranks": args.ranks, "threads": args.threads, "dtype": "bfloat16", "model_shapes": "SmolLM2-135M", "repeats": args.repeats, "rounds": args.rounds},
         "trees": {"baseline": baseline_commit, "this_tree": common.commit_info()["commit"]},
         "step_four_adapters": step,
-        "one_adapter_group": run_tree(common.REPO, "group", args),
+        "one_adapter_group": (group := run_tree(common.REPO, "group", args)),
+        "one_adapter_group_per_layer": layer_totals(group),
     }
     common.write_report(report, args.output, indent=1)
 

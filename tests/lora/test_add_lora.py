@@ -1,9 +1,11 @@
-"""One layer's adapters added to a step's rows (workers/lora/layer_lora.add_lora): small groups
-through the native kernel in one call, a group past KERNEL_MAX_ROWS through torch, an adapter the
-layer lacks and the base model's rows untouched, every adapted row within rounding of float64."""
+"""One layer's adapters added to a step's rows (workers/lora/layer_lora.add_lora): a long prefill
+chunk's group, scattered decode rows, an adapter the layer lacks and the base model's rows, on the
+native kernel in one call and on torch's path, every adapted row within rounding of float64 and
+the others untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,21 +13,23 @@ import pytest
 import torch
 
 from pagedserve.workers.lora.context import LoRAGroups
-from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS, AdapterWeights, add_lora
+from pagedserve.workers.lora.layer_lora import AdapterWeights, add_lora
 
 IN, OUT = 64, 48
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_and_torch_groups_in_one_step(dtype):
+def test_groups_of_one_step(dtype, path):
     gen = torch.Generator().manual_seed(0)
-    big = KERNEL_MAX_ROWS + 20
+    big = 600  # a long prefill chunk
     # Adapter 1: one long prefill chunk; 2: scattered decode rows; 3: a row of an adapter this
     # layer lacks; 0: the base model.
     ids = np.array([1] * big + [2, 0, 2, 3, 0, 2], dtype=np.int64)
     groups = LoRAGroups.of(ids, torch.device("cpu"))
-    assert [lora_id for lora_id, _ in groups.large] == [1]
-    assert groups.kernel_ids == [2, 3]
+    assert groups.kernel_ids == [1, 2, 3]
+    if path == "torch":  # as on a GPU
+        groups = dataclasses.replace(groups, kernel_ids=[], kernel_rows=None)
     # Two projections, as a fused layer has: rank r on columns 0-19, r on columns 28-47; 20-27
     # belong to a projection the adapters do not target.
     weights = {}

@@ -11,41 +11,35 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pagedserve.workers.lora.layer_lora import KERNEL_MAX_ROWS
-
 
 @dataclass(frozen=True)
 class LoRAGroups:
     """Each adapter of the step (by lora_int_id) and its token rows: a slice when its rows are
     contiguous (one request, or requests next to each other), else an index tensor. On the CPU,
-    also the native kernel's share (layer_lora.add_lora): the adapters of at most
-    KERNEL_MAX_ROWS rows (`kernel_ids`), each row's place among them or -1 (`kernel_rows`),
-    and the larger groups left to torch (`large`)."""
+    also the native kernel's view of the same (layer_lora.add_lora): the step's adapters in
+    order (`kernel_ids`) and each row's place among them or -1 (`kernel_rows`)."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
     kernel_ids: list[int] = field(default_factory=list)
     kernel_rows: torch.Tensor | None = None
-    large: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def of(cls, token_lora_ids: np.ndarray, device: torch.device) -> LoRAGroups | None:
         """From each token's lora_int_id (0: the base model); None when all are 0."""
         ids = np.unique(token_lora_ids)
-        groups, kernel_ids, large = [], [], []
+        groups, kernel_ids = [], []
         kernel_rows = np.full(len(token_lora_ids), -1, dtype=np.int64)
         for lora_id in ids[ids > 0].tolist():
             rows = np.flatnonzero(token_lora_ids == lora_id)
             contiguous = rows[-1] - rows[0] + 1 == len(rows)
             group = (lora_id, slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else torch.from_numpy(rows).to(device))
             groups.append(group)
-            if device.type == "cpu" and len(rows) <= KERNEL_MAX_ROWS:
+            if device.type == "cpu":
                 kernel_rows[rows] = len(kernel_ids)
                 kernel_ids.append(lora_id)
-            else:
-                large.append(group)
         if not groups:
             return None
-        return cls(groups, kernel_ids, torch.from_numpy(kernel_rows) if kernel_ids else None, large)
+        return cls(groups, kernel_ids, torch.from_numpy(kernel_rows) if kernel_ids else None)
 
 
 _current: LoRAGroups | None = None

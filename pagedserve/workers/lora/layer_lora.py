@@ -95,19 +95,23 @@ def shard_for_layer(layer: Any, parts: dict[Any, tuple[torch.Tensor, torch.Tenso
 
 def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> torch.Tensor:
     """`out` plus each adapted row's low-rank product (rows of an adapter this layer has none of
-    stay the base model's). On the CPU the groups of at most KERNEL_MAX_ROWS rows go through the
-    native kernel in one call; larger groups, and every group without the kernel, one adapter at
-    a time in torch."""
+    stay the base model's). On the CPU every group goes through the native kernel in one call;
+    elsewhere, or without the kernel, one adapter at a time in torch.
+
+    Groups of every size go to the kernel: a group whose rows lie among others' (prefills of
+    several adapters in one step) costs torch an index_select and an index_add_ into column
+    slices per projection, 5-12x the kernel's time at 256-2048 rows of a rank-16 adapter on
+    SmolLM2's layers; a contiguous group torch wins only on down past 1024 rows, and loses on the
+    layer as a whole (benchmarks/lora_kernel.py, its `group` tables)."""
     adapters = layer.lora_weights
-    remaining = groups.groups
     if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
         no_adapter = _no_adapter(x.shape[1])
         weights = [adapters.get(lora_id, no_adapter) for lora_id in groups.kernel_ids]
         torch.ops.pagedserve_cpu.lora_add(
             out, x.contiguous(), groups.kernel_rows, [w.a_t for w in weights], [w.b for w in weights], [w.segments for w in weights]
         )
-        remaining = groups.large
-    for lora_id, rows in remaining:
+        return out
+    for lora_id, rows in groups.groups:
         weights = adapters.get(lora_id)
         if weights is not None:
             add_low_rank(out, rows, x, weights)
@@ -126,12 +130,7 @@ def _no_adapter(in_features: int) -> AdapterWeights:
 # from ~64 rows on bf16 is faster (1 row: 41 vs 14 us; 64: 57 vs 67; 2048: 0.50 vs 1.10 ms, a
 # qkv-sized pair on a 2-core Zen 4).
 FLOAT32_MAX_ROWS = 32
-# Rows of one adapter up to which the native kernel takes its product. On a 2-core Zen 4, one
-# adapter of rank 16 on every projection, for 128 / 512 / 1024 rows (benchmarks/lora_kernel.py,
-# lora_kernel_cpu.json): qkv (576 in, 960 out) 69 / 257 / 512 us against 315 / 449 / 628 for
-# torch (add_low_rank, in bf16 past FLOAT32_MAX_ROWS), gate_up (3072 out) 119 / 458 / 905
-# against 344 / 587 / 989, down (1536 in, 576 out) 58 / 214 / 426 against 175 / 290 / 394.
-KERNEL_MAX_ROWS = 512
+
 
 
 def add_low_rank(out: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor, weights: AdapterWeights) -> None:
