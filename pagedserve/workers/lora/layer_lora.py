@@ -98,11 +98,11 @@ def add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor, groups: Any) -> tor
     stay the base model's). On the CPU every group goes through the native kernel in one call;
     elsewhere, or without the kernel, one adapter at a time in torch.
 
-    Groups of every size go to the kernel: a group whose rows lie among others' (prefills of
-    several adapters in one step) costs torch an index_select and an index_add_ into column
-    slices per projection, 5-12x the kernel's time at 256-2048 rows of a rank-16 adapter on
-    SmolLM2's layers; a contiguous group torch wins only on down past 1024 rows, and loses on the
-    layer as a whole (benchmarks/lora_kernel.py, its `group` tables)."""
+    Groups of every size go to the kernel. For a group whose rows lie among others' (prefills of
+    several adapters in one step) torch pays an index_select and an index_add_ into column slices
+    per projection: over a layer of SmolLM2 that took 4-7x the kernel's time at 512-2048 rows; for
+    a contiguous group, 1.1-2.3x, though torch wins o and down alone past 1024 rows
+    (benchmarks/lora_kernel.py, lora_kernel_cpu.json's `one_adapter_group_per_layer`)."""
     adapters = layer.lora_weights
     if groups.kernel_rows is not None and out.is_contiguous() and cpu_native.is_available():
         no_adapter = _no_adapter(x.shape[1])
