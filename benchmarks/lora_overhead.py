@@ -1,7 +1,7 @@
 """LoRA's cost in pagedserve, offline: output throughput of one batch of prompts on the base model
 (LoRA off, and LoRA on with no adapter in the batch) against the same batch spread over 1, 4 and
 16 adapters, each of rank `--ranks` on every linear layer (PEFT-made, random non-zero B), all in
-one run so the ratios hold on a noisy machine. The issue's goal: with 4 adapters, at least 0.8x
+one run so the ratios hold on a noisy machine, with the prefix cache off (the runs repeat prompts). The issue's goal: with 4 adapters, at least 0.8x
 the base model's throughput.
 
     python benchmarks/lora_overhead.py --output benchmarks/results/lora_overhead_cpu.json
@@ -58,7 +58,10 @@ def run(args: argparse.Namespace) -> dict:
     model = args.model or str(__import__("pagedserve.demo", fromlist=["ensure_demo_model"]).ensure_demo_model())
     prompts = common.random_token_prompts(args.num_prompts, args.input_len_min, args.input_len_max, vocab=(100, 40_000))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    engine = {"dtype": args.dtype, "max_model_len": 1024, "kv_cache_memory_bytes": int(args.kv_cache_gib * 1024**3)}
+    # Without the prefix cache: every run sends the same prompts, and a run would reuse the KV of
+    # an earlier run's prompts under the same adapter (with 4 adapters, the quarter of the prompts
+    # that had adapter 0 with 1 adapter).
+    engine = {"dtype": args.dtype, "max_model_len": 1024, "kv_cache_memory_bytes": int(args.kv_cache_gib * 1024**3), "enable_prefix_caching": False}
     results: dict = {}
     base = LLM(model, **engine)
     timed_run(base, prompts[:4], params, None)  # warm-up
