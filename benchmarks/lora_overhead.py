@@ -1,7 +1,9 @@
 """LoRA's cost in pagedserve, offline: output throughput of one batch of prompts on the base model
 (LoRA off, and LoRA on with no adapter in the batch) against the same batch spread over 1, 4 and
 16 adapters, each of rank `--ranks` on every linear layer (PEFT-made, random non-zero B), all in
-one run so the ratios hold on a noisy machine, with the prefix cache off (the runs repeat prompts). The issue's goal: with 4 adapters, at least 0.8x
+one run, with the prefix cache off (the runs repeat prompts). `ratio_to_paired_base` takes each
+adapter run against a base-model run of the same engine just before it; `ratio_to_base_lora_off`
+against one run with LoRA off, at the start. The issue's goal: with 4 adapters, at least 0.8x
 the base model's throughput.
 
     python benchmarks/lora_overhead.py --output benchmarks/results/lora_overhead_cpu.json
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> dict:
     timed_run(base, prompts[:4], params, None)  # warm-up
     results["base_lora_off"] = timed_run(base, prompts, params, None)
     base.shutdown()
+    paired: dict[str, float] = {}
     max_adapters = max(args.adapters)
     with tempfile.TemporaryDirectory() as folder:
         for rank in args.ranks:
@@ -78,11 +81,15 @@ def run(args: argparse.Namespace) -> dict:
             for count in args.adapters:
                 loras = [adapters[i % count] for i in range(len(prompts))]
                 timed_run(llm, prompts[:count], params, loras[:count])  # loads them: not timed
+                # The same engine's base model just before: the machine's speed drifts by 10%
+                # over minutes, more than the ratios this measures.
+                base_now = timed_run(llm, prompts, params, None)
                 results[f"r{rank}_{count}_adapters"] = timed_run(llm, prompts, params, loras)
+                paired[f"r{rank}_{count}_adapters"] = round(results[f"r{rank}_{count}_adapters"]["output_tok_s"] / base_now["output_tok_s"], 3)
             llm.shutdown()
     base_rate = results["base_lora_off"]["output_tok_s"]
     ratios = {name: round(r["output_tok_s"] / base_rate, 3) for name, r in results.items()}
-    return {"model": model, "settings": vars(args), "results": results, "ratio_to_base_lora_off": ratios}
+    return {"model": model, "settings": vars(args), "results": results, "ratio_to_base_lora_off": ratios, "ratio_to_paired_base": paired}
 
 
 def main() -> None:
