@@ -132,7 +132,6 @@ def _no_adapter(in_features: int) -> AdapterWeights:
 FLOAT32_MAX_ROWS = 32
 
 
-
 def add_low_rank(out: torch.Tensor, rows: slice | torch.Tensor, x: torch.Tensor, weights: AdapterWeights) -> None:
     """out[rows] += x[rows] A^T B^T, one x A^T for every projection, then each projection's
     product into its own columns. The adapters are kept in float32 on the CPU (manager.py):
