@@ -181,7 +181,15 @@ def test_disconnect_aborts_and_frees_blocks(base_url):
         stats = engine_stats()
         return stats.request_success_total.get("abort", 0) == aborted_before + 1 and stats.kv_cache_usage_perc == 0.0
 
-    wait_until(freed, timeout=15)
+    def state() -> str:  # once a full suite run's failure said nothing more than the timeout
+        stats = engine_stats()
+        return (
+            f"running {stats.num_requests_running}, waiting {stats.num_requests_waiting}, finished by reason "
+            f"{stats.request_success_total} (aborted before: {aborted_before}), KV cache use {stats.kv_cache_usage_perc}, "
+            f"tokens generated since the request {stats.generation_tokens_total - before.generation_tokens_total}"
+        )
+
+    wait_until(freed, timeout=15, what="the disconnected request aborted and its blocks freed", details=state)
     after = engine_stats()
     assert after.generation_tokens_total - before.generation_tokens_total < 500
     assert after.num_requests_running == 0
