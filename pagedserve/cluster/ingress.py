@@ -58,7 +58,26 @@ app.add_middleware(RequestGate)
 def _respond(result: dict | AsyncIterator[str]) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return ClosingStreamingResponse(result, media_type="text/event-stream")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its events' generator however the response ends. Closing it closes the engine
+    streams beneath it, which aborts their requests. A client that goes away while a chunk is
+    being sent ends the response with the generator suspended at its `yield`, not cancelled
+    inside it, and then only the garbage collector would close it: the request could decode to
+    its end for no one."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                try:
+                    await asyncio.shield(close())
+                except Exception:  # a generator that failed ends closed already
+                    logger.debug("closing a response's events failed", exc_info=True)
 
 
 def _unwrap(value: Any) -> Any:

@@ -127,10 +127,13 @@ def _penalties(states: list[CachedRequestState], vocab_size: int, device: torch.
 def with_grammar(batch: SamplingBatch, step: SchedulerOutput, states: list[CachedRequestState], device: torch.device) -> SamplingBatch:
     """The step's sampling batch plus its grammar rows (a copy: the builder reuses its batch)."""
     row_of = {state.req_id: row for row, state in enumerate(states)}
-    rows = [row_of[req_id] for req_id in step.grammar_req_ids]
-    bitmask = torch.from_numpy(np.ascontiguousarray(step.grammar_bitmask, dtype=np.int32))
+    rows = np.array([row_of[req_id] for req_id in step.grammar_req_ids], dtype=np.int64)
+    # In row order: when every row is constrained the mask then covers the logits as they lie
+    # (grammar_mask.apply_grammar), with no gather and scatter of the batch's logits.
+    order = np.argsort(rows, kind="stable")
+    bitmask = torch.from_numpy(np.ascontiguousarray(np.asarray(step.grammar_bitmask, dtype=np.int32)[order]))
     return dataclasses.replace(
         batch,
-        grammar_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        grammar_rows=torch.from_numpy(rows[order]).to(device),
         grammar_allowed=unpack_bitmask(bitmask).to(device),
     )
