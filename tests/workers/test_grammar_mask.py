@@ -71,3 +71,20 @@ def test_every_row_constrained_masks_in_place_and_the_callers_logits_stay_untouc
         assert Sampler(0, torch.device("cpu"))(logits, batch).sampled_token_ids.tolist() == [
             3 if logits[0, 3] > logits[0, 7] else 7, 64, 0 if logits[2, 0] > logits[2, 95] else 95]
         assert torch.equal(logits, original)
+
+
+def test_grammar_rows_go_to_the_sampler_in_row_order():
+    """The engine lists a step's constrained requests in its own order; the worker sorts them by
+    batch row, each with its own bitmask row, so an all-constrained batch masks in place."""
+    from types import SimpleNamespace
+
+    from pagedserve.workers.sampling_batch import with_grammar
+
+    vocab = 64
+    states = [SimpleNamespace(req_id=name) for name in ("a", "b", "c")]
+    step = SimpleNamespace(grammar_req_ids=["c", "a", "b"], grammar_bitmask=pack([[30], [10], [20]], vocab).numpy())
+    batch = SamplingBatch(temperature=torch.zeros(3), all_greedy=True)
+    constrained = with_grammar(batch, step, states, torch.device("cpu"))
+    assert constrained.grammar_rows.tolist() == [0, 1, 2]
+    assert [row.nonzero().flatten().tolist() for row in constrained.grammar_allowed] == [[10], [20], [30]]
+    assert Sampler(0, torch.device("cpu"))(torch.zeros(3, vocab), constrained).sampled_token_ids.tolist() == [10, 20, 30]
