@@ -131,7 +131,7 @@ def with_grammar(batch: SamplingBatch, step: SchedulerOutput, states: list[Cache
     # In row order: when every row is constrained the mask then covers the logits as they lie
     # (grammar_mask.apply_grammar), with no gather and scatter of the batch's logits.
     order = np.argsort(rows, kind="stable")
-    bitmask = torch.from_numpy(np.ascontiguousarray(np.asarray(step.grammar_bitmask, dtype=np.int32)[order]))
+    bitmask = torch.from_numpy(np.asarray(step.grammar_bitmask, dtype=np.int32)[order])  # indexing copies, contiguous
     return dataclasses.replace(
         batch,
         grammar_rows=torch.from_numpy(rows[order]).to(device),
