@@ -43,6 +43,7 @@ from pagedserve.cluster.handover_registry import REGISTRY, HandoverRegistry
 from pagedserve.cluster.stream_items import Handover, StreamItem, overloaded
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_progress import StreamProgress
+from pagedserve.cluster.stream_race import RIVAL_FIRST, next_unless
 from pagedserve.engine.fan_out import child_params
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.request_output import RequestOutput
@@ -189,14 +190,5 @@ async def _next_or_leaving(
 ) -> AttemptItem | None:
     """The stream's next item (None at its end), or Moved if its replica leaves first and
     the request can move; the pending read is cancelled then."""
-    next_item = asyncio.ensure_future(anext(stream, None))
-    waits = {next_item, leaving_wait} if can_move() else {next_item}
-    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    if next_item in done:
-        return next_item.result()
-    next_item.cancel()
-    try:
-        await next_item
-    except (asyncio.CancelledError, Exception):  # the cancelled read's own ending
-        pass
-    return Moved()
+    item = await next_unless(stream, leaving_wait if can_move() else None)
+    return Moved() if item is RIVAL_FIRST else item

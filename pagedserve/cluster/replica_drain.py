@@ -49,6 +49,7 @@ import os
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from pagedserve.cluster.stream_race import RIVAL_FIRST, next_unless
 from pagedserve.engine.request_output import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -139,13 +140,10 @@ class ReplicaDrain:
         try:
             while True:
                 stop = moving if num_sent == 0 or can_resume(params) else stopping
-                next_item = asyncio.ensure_future(anext(outputs, None))
-                done, _ = await asyncio.wait({next_item, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if next_item not in done:
-                    await _cancel(next_item)
+                item = await next_unless(outputs, stop)
+                if item is RIVAL_FIRST:
                     yield self.handover
                     return
-                item = next_item.result()
                 if item is None:
                     return
                 num_sent += 1
@@ -156,11 +154,3 @@ class ReplicaDrain:
             self.num_streams -= 1
             if self.num_streams == 0:
                 self._idle.set()
-
-
-async def _cancel(future: asyncio.Future) -> None:
-    future.cancel()
-    try:
-        await future
-    except (asyncio.CancelledError, Exception):  # the cancelled read's own ending
-        pass
