@@ -20,6 +20,7 @@ from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.stream_items import ErrorInfo, StreamItem
 from pagedserve.cluster.stream_merge import merge_streams
+from pagedserve.cluster.stream_race import cancel_and_wait
 from pagedserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from pagedserve.cluster.serving_options import ServingOptions
 from pagedserve.cluster.tool_formats import forced_call_spec
@@ -181,9 +182,11 @@ class OpenAIServing:
                 raise APIError(400, str(error), param=param) from None
         prompts = [_with_adapter(_salted(prompt, cache_salt), self.lora_request) for prompt in prompts]
         streams = [self.client.generate(prompt_request_id(response_id, i), prompt, params) for i, prompt in enumerate(prompts)]
+        reads = [asyncio.ensure_future(anext(stream)) for stream in streams]
         try:
-            firsts = await asyncio.gather(*(anext(stream) for stream in streams))
-        except BaseException:
+            firsts = await asyncio.gather(*reads)
+        except BaseException:  # one read's failure leaves the others running: a stream closes only once its read ends
+            await asyncio.gather(*(cancel_and_wait(read) for read in reads))
             await _close_all(streams)
             raise
         error = next((item for item in firsts if isinstance(item, ErrorInfo)), None)

@@ -42,6 +42,8 @@ class FakeEngine:
             for item in script:
                 if item == "hang":
                     await asyncio.Event().wait()  # a stream that stays open until closed
+                if item == "fail":
+                    raise RuntimeError("the engine call failed")
                 yield item
         finally:
             call["is_closed"] = True
@@ -203,6 +205,19 @@ def test_a_refusal_of_one_prompt_closes_the_other_prompts_streams():
         serve(engine, completion(prompt=["short", "long"], stream=True))
     assert raised.value.body()["error"] == {"message": "prompt too long", "type": "BadRequestError", "code": 400, "param": "prompt"}
     assert [call["is_closed"] for call in engine.calls] == [True, True]
+
+
+def test_a_failed_first_read_closes_the_other_prompts_streams_at_once():
+    """Checked before the event loop ends (its shutdown would close them anyway): a stream whose
+    first read was still running could not be closed, and was left to the garbage collector."""
+    engine = FakeEngine(["hang"], ["fail"])
+
+    async def call():
+        with pytest.raises(RuntimeError, match="the engine call failed"):
+            await OpenAIServing("my-model", engine, RequestLimits()).completions(completion(prompt=["a", "b"]))
+        return [call["is_closed"] for call in engine.calls]
+
+    assert run(call()) == [True, True]
 
 
 @pytest.mark.parametrize(
