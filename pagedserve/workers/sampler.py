@@ -47,9 +47,10 @@ class SamplingBatch:
     logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # row -> (ids, biases)
     num_logprobs: list[int | None] | None = None  # per row; None when no row asked
     # Structured outputs (workers/grammar_mask.py): rows that sample under a grammar, and each
-    # one's allowed tokens ([len(grammar_rows), >= vocab] bool). None when no row is constrained.
+    # one's packed bitmask row ([len(grammar_rows), words] int32, on the CPU: bit i of word
+    # i // 32 set, token i allowed). None when no row is constrained.
     grammar_rows: torch.Tensor | None = None
-    grammar_allowed: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Sampler:
             # The mask writes in place: into the float copy, or into a clone of float32 logits
             # (never into the caller's tensor).
             floats = floats.clone() if floats is logits else floats
-            apply_grammar(floats, batch.grammar_rows, batch.grammar_allowed)
+            apply_grammar(floats, batch.grammar_rows, batch.grammar_bitmask)
         logits = floats
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
         if batch.banned_tokens or batch.penalties is not None or batch.logit_bias:

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from pagedserve.step_types.scheduler_output import SchedulerOutput
-from pagedserve.workers.grammar_mask import unpack_bitmask
 from pagedserve.workers.sampler import Penalties, SamplingBatch, step_seed
 from pagedserve.workers.step_inputs import CachedRequestState
 
@@ -128,12 +127,12 @@ def with_grammar(batch: SamplingBatch, step: SchedulerOutput, states: list[Cache
     """The step's sampling batch plus its grammar rows (a copy: the builder reuses its batch)."""
     row_of = {state.req_id: row for row, state in enumerate(states)}
     rows = np.array([row_of[req_id] for req_id in step.grammar_req_ids], dtype=np.int64)
-    # In row order: when every row is constrained the mask then covers the logits as they lie
-    # (grammar_mask.apply_grammar), with no gather and scatter of the batch's logits.
+    # In row order: when every row is constrained, torch's mask (grammar_mask.mask_unpacked, where
+    # the native kernel does not run) covers the logits as they lie, with no gather and scatter.
     order = np.argsort(rows, kind="stable")
     bitmask = torch.from_numpy(np.asarray(step.grammar_bitmask, dtype=np.int32)[order])  # indexing copies, contiguous
     return dataclasses.replace(
         batch,
         grammar_rows=torch.from_numpy(rows[order]).to(device),
-        grammar_allowed=unpack_bitmask(bitmask).to(device),
+        grammar_bitmask=bitmask,
     )
