@@ -26,6 +26,7 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
         --engines pagedserve,pagedserve-compiled,vllm   # offline: eager (the default) vs compiled vs vLLM
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --num-prompts 128 \
         --max-concurrency 1,4,16,64,128   # where each server's latency knee is
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --server-defaults   # as users start them
 
 Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
 torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
@@ -70,6 +71,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
+    parser.add_argument(
+        "--server-defaults", action="store_true",
+        help="online: start each server with its own defaults (pagedserve: only --model and --dtype; vLLM: "
+        "--max-model-len 2048 with VLLM_CPU_KVCACHE_SPACE=4) instead of the harness's shared context and KV sizes",
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--quick", action="store_true", help="64 offline prompts; 40 online at inf and 4")
@@ -91,7 +97,7 @@ def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("RAY_ADDRESS", None)  # pagedserve serve starts its own local Ray
     if engine == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
+        env["VLLM_CPU_KVCACHE_SPACE"] = "4" if args.server_defaults else str(int(args.kv_cache_gib))
         env.pop("PYTHONPATH", None)  # the peer venv must not see pagedserve's packages
     return env
 

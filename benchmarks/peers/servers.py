@@ -31,8 +31,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# `--server-defaults`: what a user who reads each server's quick start runs. vLLM's CPU build needs
+# a context bound for SmolLM2 (8192 would not fit its KV space) and its KV space from the
+# environment (`VLLM_CPU_KVCACHE_SPACE`, set by compare_vllm.engine_env); pagedserve sizes both
+# itself.
+VLLM_DEFAULTS_MAX_MODEL_LEN = 2048
+
+
 def server_command(engine: str, python: str, args, port: int) -> list[str]:
-    common = ["--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    common = ["--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", args.dtype]
+    if getattr(args, "server_defaults", False):
+        if engine == "pagedserve":
+            return [python, "-m", "pagedserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1", *common]
+        vllm = os.path.join(os.path.dirname(python), "vllm")
+        return [vllm, "serve", args.model, "--host", "127.0.0.1", *common, "--max-model-len", str(VLLM_DEFAULTS_MAX_MODEL_LEN)]
+    common += ["--max-model-len", str(args.max_model_len)]
     if engine == "pagedserve":
         command = [python, "-m", "pagedserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1", *common]
         command += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
