@@ -34,7 +34,7 @@ for part in $PARTS; do
                    --output "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
         wide) run_tests wide "${WIDE_TESTS_S:-200}" -m "not gpu" tests/kernels/test_triton_attention.py \
                   tests/kernels/test_triton_e2e.py tests/engine/test_llm_api.py \
-                  tests/lora/test_lora_exactness.py ;;
+                  tests/lora/test_lora_exactness.py tests/lora/test_adapter_tiers.py ;;
         *) echo "unknown part $part (gpu, bench, wide)"; exit 2 ;;
     esac
 done

@@ -50,8 +50,9 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.parallel, self.backend, self.device, self.engine_config)
         config = self.engine_config
         if config.enable_lora:
-            capacity = max(config.max_loras, config.max_cpu_loras or 0)
-            self.lora_manager = WorkerLoRAManager(self.model, config.max_lora_rank, capacity, self.model_config.dtype, self.device)
+            self.lora_manager = WorkerLoRAManager(
+                self.model, config.max_lora_rank, config.max_loras, config.max_cpu_loras, self.model_config.dtype, self.device
+            )
 
     @property
     def hidden_size(self) -> int:

@@ -126,7 +126,7 @@ def test_a_read_nobody_installs_never_keeps_the_others_out(model_dirs, lora_adap
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
     try:
         manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
-        assert manager.capacity == 1
+        assert manager.read_capacity == 1
         first, second = (lora_request(lora_adapters["llama"], name) for name in ("all8", "qv4"))
         manager.prefetch([first])
         manager.reading[first.lora_int_id].result(timeout=60)

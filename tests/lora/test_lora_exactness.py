@@ -56,11 +56,14 @@ def test_mixed_batch_matches_peft_merged(arch, config_name, model_dirs, lora_ada
 
 def test_more_adapters_than_slots_waits_and_stays_exact(model_dirs, lora_adapters, lora_references):
     """One slot for three adapters: requests of the others wait (never fail); the worker keeps
-    two at most and loads the others again."""
+    two at most (on the CPU attached, on a GPU one attached and two in host memory) and loads
+    the others again."""
     llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=256, enable_lora=True, max_loras=1, max_cpu_loras=2)
     try:
         run_and_check(llm, "llama", lora_adapters["llama"], lora_references, PROMPTS[:3])
-        assert len(llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager.resident) <= 2
+        manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
+        assert len(manager.resident) <= manager.slots and len(manager.host) <= manager.host_capacity
+        assert (manager.slots, manager.host_capacity) == ((1, 2) if manager.tiered else (2, 0))
     finally:
         llm.shutdown()
 

@@ -16,7 +16,7 @@ gate_up's B and two thirds of qkv's, and which torch's products multiplied."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -59,6 +59,15 @@ class AdapterWeights:
     @property
     def nbytes(self) -> int:
         return self.a_t.nbytes + self.b.nbytes
+
+    def to(self, device: torch.device) -> AdapterWeights:
+        """A copy on `device` (itself where it already is); from pinned host memory the copies
+        are queued without waiting, ahead of the step's kernels on the same stream."""
+        return replace(self, **{name: getattr(self, name).to(device, non_blocking=True) for name in ("a_t", "b", "segments")})
+
+    def pinned(self) -> AdapterWeights:
+        """The same weights in page-locked host memory, from which a GPU copies asynchronously."""
+        return replace(self, **{name: getattr(self, name).pin_memory() for name in ("a_t", "b", "segments")})
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.a_t, self.b, self.segments
