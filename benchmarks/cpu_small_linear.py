@@ -1,7 +1,8 @@
 """bfloat16 linear layers at 1-4 rows (decode at light load): the native small-batch kernel
 (`csrc/cpu_small_linear.cpp`, on the plain weight) against oneDNN on its prepacked weight, on the
 shapes of a model's layers (every linear of every decoder layer, then the LM head), and the whole
-eager forward with the kernel on and off.
+eager forward with the kernel on and off; and the row counts the model runner's start-up timing
+(small_batch_choice.py) picks at each thread count, to hold against those measurements.
 
 Each figure is the median wall time of `--repeats` passes over all the layers, so the weights come
 from memory as in a real step (the layers together are far larger than the caches). Run it on a
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpu_forward import build, steps  # noqa: E402
 import common  # noqa: E402
 
-from pagedserve.workers.layers import cpu_gemm  # noqa: E402
+from pagedserve.workers.layers import cpu_gemm, small_batch_choice  # noqa: E402
 from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 
@@ -63,8 +64,13 @@ def main() -> None:
     model = build(Path(args.model), torch.bfloat16, 4096)
     weight_mb = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
     weight_mb = (weight_mb + model.lm_head.weight.numel() * 2) / 1e6
-    report = {"model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}}
+    report = {"model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}, "start_up_choice": {}}
+    every_count = frozenset(range(1, cpu_gemm.small_batch_rows() + 1))
     for threads in map(int, args.threads.split(",")):
+        # What a model runner with this many light-step threads would choose at start-up, then
+        # the measurements that say whether it chose right.
+        report["start_up_choice"][f"{threads}_threads"] = sorted(small_batch_choice.choose_kernel_rows(model, threads))
+        cpu_gemm.set_kernel_rows(every_count)
         torch.set_num_threads(threads)
         for rows in map(int, args.rows.split(",")):
             small = median_ms(layer_pass(model, rows, small=True), args.repeats)
@@ -75,10 +81,9 @@ def main() -> None:
                 attn.kv_cache = kv_cache
             forward = lambda: model.compute_logits(model(input_ids, positions, meta))  # noqa: E731
             with_kernel = median_ms(forward, args.repeats)
-            limit = cpu_gemm._small_rows[0]
-            cpu_gemm._small_rows[0] = 0  # oneDNN for every batch
+            cpu_gemm.set_kernel_rows(frozenset())  # oneDNN for every batch
             without = median_ms(forward, args.repeats)
-            cpu_gemm._small_rows[0] = limit
+            cpu_gemm.set_kernel_rows(every_count)
             key = f"{threads}_threads_{rows}_rows"
             report["layers"][key] = {"small_ms": small, "onednn_ms": onednn, "speedup": round(onednn / small, 2), "small_gb_s": round(weight_mb / small, 1)}
             report["forward"][key] = {"with_ms": with_kernel, "without_ms": without, "speedup": round(without / with_kernel, 2)}

@@ -15,6 +15,7 @@ from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import InputBatch
+from pagedserve.workers.layers.small_batch_choice import choose_kernel_rows
 from pagedserve.workers.lora.context import lora_context
 from pagedserve.workers.lora.manager import WorkerLoRAManager
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
@@ -48,6 +49,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.parallel, self.backend, self.device, self.engine_config)
+        if self.step_threads is not None:  # the CPU: light steps are where few-row products run
+            choose_kernel_rows(self.model, self.step_threads.light)
         config = self.engine_config
         if config.enable_lora:
             self.lora_manager = WorkerLoRAManager(

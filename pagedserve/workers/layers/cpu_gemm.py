@@ -12,7 +12,8 @@ A bfloat16 layer also keeps its plain weight where the native small-batch kernel
 the weight faster through it than through oneDNN. That costs a second copy of the linear weights
 in memory (212 MB for SmolLM2-135M; the LM head's plain weight is the embedding's) for a light
 decode step's forward 1.2-1.7x faster at one to three rows and 1.06x at four, on one or two
-threads of a 2-core Zen 4 (benchmarks/results/cpu_small_linear.json).
+threads of a 2-core Zen 4 (benchmarks/results/cpu_small_linear.json). Which of the one to four
+row counts take it on the CPU at hand, the model runner times at start-up (small_batch_choice.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pagedserve.kernels import native_build
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
 _small_rows: list[int] = []
+# The row counts at which `linear` takes the small-batch kernel: every count it takes until the
+# model runner times both paths on this CPU (small_batch_choice.py) and sets them.
+_kernel_rows: list[frozenset[int]] = []
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -57,11 +61,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) through the packed weight, or for a few rows through `plain` (the unpacked
     weight, when `keeps_plain` kept it) and the native small-batch kernel."""
-    if plain is not None and x.dim() == 2 and x.shape[0] <= small_batch_rows() and plain.numel() > 0:
-        out = x.new_empty(x.shape[0], plain.shape[0])
-        torch.ops.pagedserve_cpu.small_linear(out, x if x.stride(1) == 1 else x.contiguous(), plain, bias)
-        return out
+    if plain is not None and x.dim() == 2 and x.shape[0] in kernel_rows() and plain.numel() > 0:
+        return small_linear(x, plain, bias)
+    return onednn_linear(x, packed, bias)
+
+
+def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], plain.shape[0])
+    torch.ops.pagedserve_cpu.small_linear(out, x if x.stride(1) == 1 else x.contiguous(), plain, bias)
+    return out
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def kernel_rows() -> frozenset[int]:
+    """The row counts that take the small-batch kernel (asked on every call: answered once)."""
+    if not _kernel_rows:
+        _kernel_rows.append(frozenset(range(1, small_batch_rows() + 1)))
+    return _kernel_rows[0]
+
+
+def set_kernel_rows(rows: frozenset[int]) -> None:
+    """For the whole process: the choice is the CPU's, not a model's."""
+    _kernel_rows[:] = [frozenset(r for r in rows if 1 <= r <= small_batch_rows())]
 
 
 def keeps_plain(weight: torch.Tensor) -> bool:
