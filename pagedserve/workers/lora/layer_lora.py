@@ -63,11 +63,14 @@ class AdapterWeights:
     def to(self, device: torch.device) -> AdapterWeights:
         """A copy on `device` (itself where it already is); from pinned host memory the copies
         are queued without waiting, ahead of the step's kernels on the same stream."""
-        return replace(self, **{name: getattr(self, name).to(device, non_blocking=True) for name in ("a_t", "b", "segments")})
+        return self._map(lambda tensor: tensor.to(device, non_blocking=True))
 
     def pinned(self) -> AdapterWeights:
         """The same weights in page-locked host memory, from which a GPU copies asynchronously."""
-        return replace(self, **{name: getattr(self, name).pin_memory() for name in ("a_t", "b", "segments")})
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> AdapterWeights:
+        return replace(self, a_t=fn(self.a_t), b=fn(self.b), segments=fn(self.segments))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.a_t, self.b, self.segments
