@@ -8,7 +8,7 @@ for the rest, because this is sent to every worker every iteration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplerParams
@@ -37,7 +37,8 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)  # the other lists are parallel to it
     # Tokens appended since the workers last saw the request (the token sampled last step).
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended to its table
+    # Blocks appended to its table; most decode steps append none, sent as one shared empty tuple.
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
 
     def __len__(self) -> int:

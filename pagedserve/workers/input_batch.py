@@ -9,13 +9,48 @@ from scratch; it is the reference this batch is tested against.
 
 from __future__ import annotations
 
+import itertools
+from typing import Sequence
+
 import numpy as np
 import torch
 
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.kernels import AttentionMetadata
+from pagedserve.sampling_params import SamplerParams
 from pagedserve.workers.lora.context import LoRAGroups
-from pagedserve.workers.step_inputs import CachedRequestState, StepInputs, to_device
+from pagedserve.workers.step_inputs import StepInputs, to_device
+
+
+class BatchRow:
+    """A request the batch holds, as the sampler reads it (CachedRequestState's fields). Its
+    tokens, blocks and computed count live in the batch's arrays, which a step's diffs update in
+    a few numpy operations for all rows at once; these properties read them back (the sampler
+    does only for the rows that use seeds, min_tokens or penalties)."""
+
+    __slots__ = ("req_id", "num_prompt_tokens", "sampling_params", "row", "_batch")
+
+    def __init__(self, req_id: str, num_prompt_tokens: int, sampling_params: SamplerParams, row: int, batch: InputBatch):
+        self.req_id, self.num_prompt_tokens, self.sampling_params = req_id, num_prompt_tokens, sampling_params
+        self.row, self._batch = row, batch
+
+    @property
+    def token_ids(self) -> list[int]:
+        batch = self._batch
+        return batch.token_ids[self.row, : batch.num_tokens[self.row]].tolist()
+
+    @property
+    def block_ids(self) -> list[int]:
+        batch = self._batch
+        return batch.block_table[self.row, : batch.num_blocks[self.row]].tolist()
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self._batch.num_computed[self.row])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return int(self._batch.num_tokens[self.row]) - self.num_prompt_tokens
 
 
 class InputBatch:
@@ -25,9 +60,9 @@ class InputBatch:
     def __init__(self, block_size: int, device: torch.device, max_num_reqs: int = 64, max_tokens: int = 256):
         self.block_size = block_size
         self.device = device
-        self.states: dict[str, CachedRequestState] = {}  # the sampler's view, by request id
+        self.states: dict[str, BatchRow] = {}  # the sampler's view, by request id
         self.row_of: dict[str, int] = {}
-        self.row_states: list[CachedRequestState | None] = [None] * max_num_reqs
+        self.row_states: list[BatchRow | None] = [None] * max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # a stack: lowest row first
         self.token_ids = np.zeros((max_num_reqs, max_tokens), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, -(-max_tokens // block_size)), dtype=np.int32)
@@ -51,17 +86,16 @@ class InputBatch:
         self._apply_diffs(scheduler_output.scheduled_cached_reqs)
 
     def add(self, new: NewRequestData) -> None:
-        state = CachedRequestState(
-            new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids), new.num_computed_tokens
-        )
         self.remove(new.req_id)  # sent whole again: whatever this rank held of it is stale
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
+        state = BatchRow(new.req_id, new.num_prompt_tokens, new.sampling_params, row, self)
         self.states[new.req_id], self.row_of[new.req_id], self.row_states[row] = state, row, state
         self.num_tokens[row] = self.num_blocks[row] = 0
-        self._append_tokens(row, state.token_ids)
-        self._append_blocks(row, state.block_ids)
+        rows = np.array([row])
+        self.token_ids = _append_ragged(self.token_ids, self.num_tokens, rows, [new.token_ids])
+        self.block_table = _append_ragged(self.block_table, self.num_blocks, rows, [new.block_ids])
         self.num_computed[row] = new.num_computed_tokens
         self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         self.num_lora_rows += bool(self.lora_ids[row])
@@ -78,46 +112,14 @@ class InputBatch:
         self.free_rows.append(row)
 
     def _apply_diffs(self, cached: CachedRequestData) -> None:
+        """Every row's new tokens and blocks appended, and its computed count set, in one go."""
         if not len(cached):
             return
-        row_of, row_states = self.row_of, self.row_states
-        rows = [row_of[req_id] for req_id in cached.req_ids]
-        one_token_rows, one_tokens = [], []  # the common case (a decode), written below in one go
-        for row, tokens, blocks, num_computed in zip(rows, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens):
-            state = row_states[row]
-            state.num_computed_tokens = num_computed
-            state.token_ids += tokens
-            if len(tokens) == 1:
-                one_token_rows.append(row)
-                one_tokens.append(tokens[0])
-            elif tokens:
-                self._append_tokens(row, tokens)
-            if blocks:
-                self._append_blocks(row, blocks)
-                state.block_ids += blocks
-        if one_token_rows:
-            ends = self.num_tokens[one_token_rows]
-            if ends.max() >= self.token_ids.shape[1]:
-                self.token_ids = _widen(self.token_ids, int(ends.max()) + 1)
-            self.token_ids[one_token_rows, ends] = one_tokens
-            self.num_tokens[one_token_rows] = ends + 1
+        row_of = self.row_of
+        rows = np.fromiter([row_of[req_id] for req_id in cached.req_ids], dtype=np.int64, count=len(cached))
         self.num_computed[rows] = cached.num_computed_tokens
-
-    def _append_tokens(self, row: int, tokens: list[int]) -> None:
-        start = int(self.num_tokens[row])
-        end = start + len(tokens)
-        if end > self.token_ids.shape[1]:
-            self.token_ids = _widen(self.token_ids, end)
-        self.token_ids[row, start:end] = tokens
-        self.num_tokens[row] = end
-
-    def _append_blocks(self, row: int, blocks: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(blocks)
-        if end > self.block_table.shape[1]:
-            self.block_table = _widen(self.block_table, end)
-        self.block_table[row, start:end] = blocks
-        self.num_blocks[row] = end
+        self.token_ids = _append_ragged(self.token_ids, self.num_tokens, rows, cached.new_token_ids)
+        self.block_table = _append_ragged(self.block_table, self.num_blocks, rows, cached.new_block_ids)
 
     def _grow_rows(self) -> None:
         old = len(self.row_states)
@@ -181,6 +183,26 @@ class InputBatch:
             sampled_states=sampled_states,
             lora_groups=LoRAGroups.of(self.lora_ids[token_rows], self.device) if self.num_lora_rows else None,
         )
+
+
+def _append_ragged(array: np.ndarray, lengths: np.ndarray, rows: np.ndarray, values: list[Sequence[int]]) -> np.ndarray:
+    """Append `values[i]` to row `rows[i]` of `array` past `lengths[rows[i]]` (the rows are
+    distinct), advancing `lengths`; returns the array, widened if a row outgrew it."""
+    counts = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    total = int(counts.sum())
+    if not total:
+        return array
+    starts = lengths[rows]
+    ends = starts + counts
+    if int(ends.max()) > array.shape[1]:
+        array = _widen(array, int(ends.max()))
+    # Value j of the flat list goes to column starts[i] + (j - first[i]), i being its row's index.
+    first = np.cumsum(counts) - counts
+    index = np.repeat(np.arange(len(values)), counts)
+    columns = np.arange(total) + (starts - first)[index]
+    array[rows[index], columns] = np.fromiter(itertools.chain.from_iterable(values), dtype=array.dtype, count=total)
+    lengths[rows] = ends
+    return array
 
 
 def _widen(array: np.ndarray, min_columns: int) -> np.ndarray:

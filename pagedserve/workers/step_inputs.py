@@ -35,7 +35,8 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] long
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to compute logits for
-    sampled_states: list[CachedRequestState]  # parallel to logits_indices
+    # Parallel to logits_indices: InputBatch's rows (BatchRow), which read as CachedRequestState.
+    sampled_states: list[CachedRequestState]
     lora_groups: Any = None  # workers/lora/context.LoRAGroups: the adapters' token rows, if any
 
     @property

@@ -76,6 +76,18 @@ def test_outputs_in_input_order_with_mixed_prompt_kinds(llm, tokenizer):
         assert completion.text == full_text.rstrip("\ufffd")
 
 
+def test_request_times_and_the_queue_time_metric(llm):
+    """The time a request was first scheduled reaches its output and the queue-time histogram
+    (it once went into the output's `error` field, and neither saw it)."""
+    queue_time = llm.llm_engine.stats.request_queue_time_seconds
+    observed_before = sum(bucket.get() for bucket in queue_time._buckets)
+    [output] = llm.generate("Hello", greedy(4), use_tqdm=False)
+    metrics = output.metrics
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.last_token_time
+    assert output.outputs[0].finish_reason == "length" and output.outputs[0].error is None
+    assert sum(bucket.get() for bucket in queue_time._buckets) == observed_before + 1
+
+
 def test_single_prompt_string_and_per_prompt_params(llm):
     [single] = llm.generate("Hello", greedy(3), use_tqdm=False)
     assert len(single.outputs[0].token_ids) == 3

@@ -39,6 +39,9 @@ from pagedserve.lora_request import LoRARequest
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
+# The new block ids of a running request that got none this step: one shared, immutable empty value
+# (most decode steps), read by the workers and never changed.
+NO_BLOCKS: tuple[int, ...] = ()
 # Nothing to run but adapters being read: how long a step waits before asking the workers again.
 ADAPTER_POLL_S = 0.002
 
@@ -143,30 +146,37 @@ class Scheduler:
         diffs = CachedRequestData()  # for the running requests, which the workers hold
 
         self._preempted_this_step = False
-        # This loop runs for every running request every step: locals, and no call in the common
-        # decode case (benchmarks/engine_step_cpu.py measures it).
+        # This loop runs for every running request every step: locals, and in the common decode
+        # case no call and no dict lookup (benchmarks/engine_step_cpu.py measures it).
         block_size = self.kv_cache_manager.block_size
-        held_blocks = self.kv_cache_manager.req_to_blocks
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        diff_ids, diff_tokens, diff_blocks, diff_computed = diffs.req_ids, diffs.new_token_ids, diffs.new_block_ids, diffs.num_computed_tokens
+        for request in self.running:  # preemption pops from its end: the iteration stops there
+            if budget <= 0:
+                break
             num_computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - num_computed, budget)
+            all_token_ids = request.all_token_ids
+            num_new = min(len(all_token_ids) - num_computed, budget)
             assert num_new > 0, f"running request with nothing to compute: {request}"
-            # Its blocks already hold the new tokens and none fills up (nothing to register in
-            # the prefix cache): allocate_slots would change nothing. Most decode steps.
-            num_held = len(held_blocks.get(request.request_id, ()))
-            if num_computed % block_size + num_new < block_size and num_held * block_size > num_computed:
-                new_block_ids = []
+            # The new tokens land in the request's partly filled last block without filling it:
+            # it holds the block already and nothing joins the prefix cache, so allocate_slots
+            # would change nothing. 14 of 16 decode steps at block_size 16.
+            offset = num_computed % block_size
+            if offset and offset + num_new < block_size:
+                new_block_ids = NO_BLOCKS
             else:
                 new_blocks = self._allocate_or_preempt(request, num_new)
                 if new_blocks is None:  # the request preempted itself; everything older is scheduled
                     break
-                new_block_ids = [block.block_id for block in new_blocks]
-            num_scheduled[request.request_id] = num_new
+                new_block_ids = [block.block_id for block in new_blocks] if new_blocks else NO_BLOCKS
+            req_id = request.request_id
+            num_scheduled[req_id] = num_new
             budget -= num_new
-            self._add_diff(diffs, request, new_block_ids)
-            index += 1
+            # Its diff: the tokens the workers have not seen, and its new blocks.
+            diff_ids.append(req_id)
+            diff_tokens.append(all_token_ids[request.num_tokens_on_workers :])
+            request.num_tokens_on_workers = len(all_token_ids)
+            diff_blocks.append(new_block_ids)
+            diff_computed.append(num_computed)
 
         # After a preemption the pool is tight: admitting new requests would only thrash.
         skipped: list[Request] = []  # their grammar is still compiling, or their adapter is not ready: the others go first
@@ -232,18 +242,21 @@ class Scheduler:
         requests = self.requests
         outputs, self._grammar_failures = self._grammar_failures, []
         any_finished = False
+        running_status = RequestStatus.RUNNING
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running_status:
                 continue  # ended (aborted) while the step ran
             request.num_computed_tokens += num_tokens
             token_id = sampled.get(req_id)
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
-            request.append_output_token_id(token_id)
-            grammar_status = self._advance_grammar(request, token_id) if request.grammar is not None else None
+            request.output_token_ids.append(token_id)  # append_output_token_id, inlined: it runs for every row
+            request.all_token_ids.append(token_id)
             finish_reason = None
-            if len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids or grammar_status:  # else it goes on
+            # The common case, one test: no grammar, short of its length cap, not a stop token.
+            if request.grammar is not None or len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids:
+                grammar_status = self._advance_grammar(request, token_id) if request.grammar is not None else None
                 status = self._check_stop(request, token_id)
                 if grammar_status is not None and (status is None or grammar_status == RequestStatus.FINISHED_ABORTED):
                     status = grammar_status
@@ -260,7 +273,7 @@ class Scheduler:
                     finish_reason,
                     request.stop_token_id,
                     request.num_cached_tokens,  # set when it was first scheduled
-                    request.first_scheduled_time,
+                    first_scheduled_time=request.first_scheduled_time,
                 )
             )
         if any_finished:
@@ -316,15 +329,6 @@ class Scheduler:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
-
-    @staticmethod
-    def _add_diff(diffs: CachedRequestData, request: Request, new_block_ids: list[int]) -> None:
-        """A running request's diff: the tokens the workers have not seen, and its new blocks."""
-        diffs.req_ids.append(request.request_id)
-        diffs.new_token_ids.append(request.all_token_ids[request.num_tokens_on_workers :])
-        request.num_tokens_on_workers = len(request.all_token_ids)
-        diffs.new_block_ids.append(new_block_ids)
-        diffs.num_computed_tokens.append(request.num_computed_tokens)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         request.num_tokens_on_workers = request.num_tokens

@@ -60,8 +60,8 @@ def test_cached_request_data_carries_only_the_new_token_and_new_blocks():
     out, _ = step(sched, worker)  # computes 21 at position 7: still block 1
     cached = out.scheduled_cached_reqs
     assert (cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == (
-        ["a"], [[21]], [[]], [7]
-    )
+        ["a"], [[21]], [()], [7]
+    )  # no new block: the one shared empty tuple, NO_BLOCKS
     out, _ = step(sched, worker)  # computes 22 at position 8: opens block 2
     cached = out.scheduled_cached_reqs
     assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([[22]], [[2]], [8])
