@@ -108,10 +108,12 @@ def _penalties(states: list[CachedRequestState], vocab_size: int, device: torch.
     for row, state in enumerate(states):
         if not state.sampling_params.has_penalties:
             continue
+        # Read once: an InputBatch row builds this list from its arrays at each read.
+        token_ids = state.token_ids
         # Ids past the vocabulary (invalid) land in the extra column, dropped below.
-        prompt = torch.tensor(state.token_ids[: state.num_prompt_tokens], dtype=torch.long, device=device)
+        prompt = torch.tensor(token_ids[: state.num_prompt_tokens], dtype=torch.long, device=device)
         prompt_mask[row, prompt.clamp(max=vocab_size)] = True
-        outputs = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.long, device=device)
+        outputs = torch.tensor(token_ids[state.num_prompt_tokens :], dtype=torch.long, device=device)
         output_counts[row].scatter_add_(0, outputs.clamp(max=vocab_size), torch.ones_like(outputs, dtype=torch.float32))
     params = [s.sampling_params for s in states]
     return Penalties(
