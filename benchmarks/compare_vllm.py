@@ -27,6 +27,8 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --num-prompts 128 \
         --max-concurrency 1,4,16,64,128   # where each server's latency knee is
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --server-defaults   # as users start them
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick --vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+        --vllm-env LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/work/peers-venv/lib/libiomp5.so   # vLLM tuned
 
 Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
 torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
@@ -72,6 +74,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
     parser.add_argument(
+        "--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for vLLM's engine, offline and server (not the load client); repeatable. "
+        "vLLM's CPU tuning: VLLM_CPU_NUM_OF_RESERVED_CPU=0 (by default it keeps one core for its scheduler process), "
+        "LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:PEER_VENV/lib/libiomp5.so",
+    )
+    parser.add_argument(
         "--server-defaults", action="store_true",
         help="online: start each server with its own defaults (pagedserve: only --model and --dtype; vLLM: "
         "--max-model-len 2048 with VLLM_CPU_KVCACHE_SPACE=4) instead of the harness's shared context and KV sizes",
@@ -94,11 +102,32 @@ def peer_python(args: argparse.Namespace) -> str:
 
 
 def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    if engine != "vllm":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.pop("RAY_ADDRESS", None)  # pagedserve serve starts its own local Ray
+        return env
+    env = client_env()
+    env["VLLM_CPU_KVCACHE_SPACE"] = "4" if args.server_defaults else str(int(args.kv_cache_gib))
+    env.update(vllm_env(args.vllm_env))
+    return env
+
+
+def client_env() -> dict[str, str]:
+    """The peer venv's processes: its Python must not see pagedserve's packages (PYTHONPATH)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.pop("RAY_ADDRESS", None)  # pagedserve serve starts its own local Ray
-    if engine == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = "4" if args.server_defaults else str(int(args.kv_cache_gib))
-        env.pop("PYTHONPATH", None)  # the peer venv must not see pagedserve's packages
+    env.pop("PYTHONPATH", None)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def vllm_env(pairs: list[str]) -> dict[str, str]:
+    """--vllm-env's KEY=VALUE pairs as a dict."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            sys.exit(f"--vllm-env {pair!r}: expected KEY=VALUE")
+        env[key] = value
     return env
 
 
@@ -167,7 +196,7 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
     print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(command, env=engine_env("vllm", args), capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(command, env=client_env(), capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())

@@ -24,6 +24,9 @@ MODEL_HELP = (
 )
 # The CPU has no memory profiler to size the cache from; tests build many engines in one process.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
+# The step's token budget unless max_num_batched_tokens says otherwise (EngineConfig.token_budget).
+# Measured at saturation on the 2-core Zen 4: 1024 lost on throughput, TTFT and ITL alike
+# (docs/benchmarks.md); vLLM's CPU server default is the same 2048.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -41,7 +44,12 @@ class EngineConfig(BaseModel):
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most tokens one step computes (prefill chunks and decodes together). Default: 2048, "
+        "or max_model_len if larger when enable_chunked_prefill is off (a whole prompt must fit in one step).",
+    )
     max_num_seqs: int = Field(
         256,
         ge=1,
@@ -153,6 +161,17 @@ class EngineConfig(BaseModel):
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    def token_budget(self, max_model_len: int) -> int:
+        """The most tokens one step computes: max_num_batched_tokens, else DEFAULT_MAX_NUM_BATCHED_TOKENS
+        with chunked prefill (a longer prompt runs in chunks), and at least the whole context without
+        it (a prompt must fit in one step). Growing the budget with a long context, as it once did,
+        made SmolLM2's default 8192-token steps, which a burst of prompts fills with prefill."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+
     @property
     def executor_backend(self) -> str:
         """'uni' (one rank in this process) or 'ray' (worker actors); more than one rank needs Ray."""
@@ -211,9 +230,6 @@ class ModelConfig:
     head_dim: int
     eos_token_ids: tuple[int, ...]  # every id that ends a request unless ignore_eos
 
-    @property
-    def max_num_batched_tokens_default(self) -> int:
-        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ class Worker:
                 "start (other processes hold the rest); lower gpu_memory_utilization or free the GPU"
             )
         torch.cuda.reset_peak_memory_stats()
-        budget_tokens = self.engine_config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default
+        budget_tokens = self.engine_config.token_budget(self.model_config.max_model_len)
         self.runner.profile_run(budget_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()  # weights + activations of the largest step

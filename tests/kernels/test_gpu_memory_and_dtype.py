@@ -40,7 +40,7 @@ class FakeGPU:
 
 def sized_worker(monkeypatch, utilization, **gpu) -> Worker:
     config = EngineConfig(model="unused", gpu_memory_utilization=utilization, max_num_batched_tokens=512)
-    worker = Worker(config, SimpleNamespace(device="cpu", max_num_batched_tokens_default=2048))
+    worker = Worker(config, SimpleNamespace(device="cpu", max_model_len=2048))
     fake = FakeGPU(monkeypatch, **gpu)
     worker._free_memory_at_start = fake.total - fake.used  # what init_device measures
     worker.runner = SimpleNamespace(profile_run=fake.profile_run)

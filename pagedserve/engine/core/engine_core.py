@@ -67,7 +67,7 @@ class EngineCore:
             self.structured_outputs.prewarm()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_num_batched_tokens=config.max_num_batched_tokens or self.model_config.max_num_batched_tokens_default,
+            max_num_batched_tokens=config.token_budget(self.model_config.max_model_len),
             max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             structured_outputs=self.structured_outputs,

@@ -94,3 +94,22 @@ def test_reads_a_tokenizer_only_for_its_first_constrained_request(core):
     assert manager._tokenizer is None  # started, and served requests, without it
     manager.grammar_for(StructuredOutputsParams(regex="[a-z]+")).future.result(timeout=60)
     assert manager._tokenizer is not None
+
+
+@pytest.mark.parametrize(
+    "settings, max_model_len, budget",
+    [
+        ({}, 8192, 2048),  # chunked prefill: a long context does not grow the step (SmolLM2's 8192 did)
+        ({}, 512, 2048),
+        ({"enable_chunked_prefill": False}, 8192, 8192),  # unchunked: a whole prompt fits in one step
+        ({"enable_chunked_prefill": False}, 512, 2048),
+        ({"max_num_batched_tokens": 1024}, 8192, 1024),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}, 4096, 8192),
+    ],
+)
+def test_the_step_token_budget(settings, max_model_len, budget):
+    assert EngineConfig(model="unused", **settings).token_budget(max_model_len) == budget
+
+
+def test_the_scheduler_gets_the_default_budget(core):
+    assert core.scheduler.max_num_batched_tokens == 2048
