@@ -242,7 +242,7 @@ def plot(report: dict, path: Path) -> None:
         for engine, by_rate in report["online"].items():
             rates = list(by_rate)
             axis.plot(rates, [by_rate[r][key] for r in rates], marker="o", label=engine)
-        axis.set_xlabel("offered request rate (req/s)")
+        axis.set_xlabel("requests in flight (--max-concurrency)" if all(r.startswith("c") for r in rates) else "offered request rate (req/s)")
         axis.set_ylabel(label)
         if key != "output_throughput":
             axis.set_yscale("log")

@@ -1,0 +1,105 @@
+"""float32 linear layers: MKL (`F.linear` on the plain weight, what torch runs by default) against
+oneDNN's GEMM on the weight packed at load (cpu_gemm, what the engine runs), on the shapes of a
+model's layers (every linear of every decoder layer, then the LM head), and the whole eager
+forward of a decode step with each.
+
+Each figure is the median wall time of `--repeats` passes over all the layers, so the weights come
+from memory as in a real step. Run it on a quiet machine.
+
+    python benchmarks/cpu_fp32_linear.py --model /work/smollm2-hf \\
+        --output benchmarks/results/cpu_fp32_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpu_forward import build, steps  # noqa: E402
+import common  # noqa: E402
+
+from pagedserve.workers.layers import cpu_gemm  # noqa: E402
+from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default="1,8,64,256,1024")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path)
+    return parser.parse_args()
+
+
+def build_unpacked(folder: Path):
+    """The model as the engine loaded float32 before it packed it: every layer on F.linear."""
+    can_pack = cpu_gemm.can_pack
+    cpu_gemm.can_pack = lambda weight: False
+    try:
+        return build(folder, torch.float32, 4096)
+    finally:
+        cpu_gemm.can_pack = can_pack
+
+
+def linear_layers(model) -> list:
+    return [*(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), model.lm_head]
+
+
+def layer_pass(layers: list, rows: int, packed: dict | None) -> Callable[[], None]:
+    """Every layer once on `rows` random rows: through its packed weight (`packed`, by layer) or
+    through F.linear on its plain weight."""
+    xs = [torch.randn(rows, m.weight.shape[1]) for m in layers]
+
+    def run() -> None:
+        for m, x in zip(layers, xs):
+            if packed is None:
+                F.linear(x, m.weight)
+            else:
+                cpu_gemm.onednn_linear(x, packed[m], None)
+
+    return run
+
+
+@torch.inference_mode()
+def main() -> None:
+    args = parse_args()
+    if not cpu_gemm.packs_dtype(torch.float32):
+        sys.exit("this torch build has no oneDNN: float32 stays on F.linear here")
+    packed_model = build(Path(args.model), torch.float32, 4096)
+    plain_model = build_unpacked(Path(args.model))
+    layers = linear_layers(plain_model)
+    packed = {m: cpu_gemm.pack(m.weight) for m in layers}
+    report: dict = {"model": args.model, "weights_mb": round(sum(m.weight.nbytes for m in layers) / 1e6, 1), "layers": {}, "decode_forward": {}}
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for rows in map(int, args.rows.split(",")):
+            key = f"{threads}_threads_{rows}_rows"
+            mkl = common.median_ms(layer_pass(layers, rows, None), args.repeats)
+            onednn = common.median_ms(layer_pass(layers, rows, packed), args.repeats)
+            report["layers"][key] = {"mkl_ms": mkl, "onednn_ms": onednn, "speedup": round(mkl / onednn, 2)}
+            print(f"[{key}] layers {report['layers'][key]}", file=sys.stderr, flush=True)
+        for rows in (r for r in map(int, args.rows.split(",")) if r <= 256):  # decode rows
+            key = f"{threads}_threads_{rows}_rows"
+            times = {}
+            for name, model in (("mkl", plain_model), ("onednn", packed_model)):
+                shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=16)
+                input_ids, positions, meta, kv_cache = steps(model, shape, torch.float32)["decode"]
+                for attn in model.attention_layers():
+                    attn.kv_cache = kv_cache
+                times[f"{name}_ms"] = common.median_ms(lambda: model.compute_logits(model(input_ids, positions, meta)), args.repeats)
+            report["decode_forward"][key] = {**times, "speedup": round(times["mkl_ms"] / times["onednn_ms"], 2)}
+            print(f"[{key}] decode forward {report['decode_forward'][key]}", file=sys.stderr, flush=True)
+    common.write_report(report, args.output, indent=1)
+
+
+if __name__ == "__main__":
+    main()
