@@ -231,7 +231,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # every id that ends a request unless ignore_eos
 
 
-
 @dataclass(frozen=True)
 class WorkerPlacement:
     """Where an engine's ranks go in a placement group made by someone else (a Serve replica's):

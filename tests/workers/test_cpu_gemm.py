@@ -106,7 +106,7 @@ def test_small_batch_kernel_matches_float32_within_a_rounding(rows, out_features
 
 @torch.inference_mode()
 def test_packed_float32_forward_matches_plain(model_dirs, monkeypatch):
-    """float32 runs on oneDNN too (MKL's float32 was 2-5x slower on a Zen 5): within float32's
+    """float32 runs on oneDNN too (MKL's float32 was about 2x slower on a Zen 5): within float32's
     rounding of F.linear. Its LM head keeps the plain weight it shares with the embedding, and a
     decode step of a few rows must not take it to the bfloat16-only small-batch kernel."""
     packed = build(model_dirs["llama"], torch.float32, max_positions=128)

@@ -4,11 +4,12 @@
 call; packing it at load time (what inductor's weight freezing and vLLM's CPU backend do) saves
 that: measured on SmolLM2-135M's bf16 forward, one thread, 16% of a decode step at 8 rows, 7% at
 64 and nothing at 128 (`benchmarks/cpu_forward.py`). float32 is packed too: `F.linear` sends it to
-MKL, which on AMD's Zen 5 ran SmolLM2's layers 2.1-5.5x slower than oneDNN's packed GEMM at 1 to
-1024 rows on two threads (vLLM's CPU backend runs float32 through oneDNN as well). The two differ
-by float rounding (about 1e-5 on those layers), as the native attention kernels already do from
-Hugging Face's; the exactness tests hold the greedy tokens to Hugging Face's. Half-precision layers
-whose dtype oneDNN cannot pack on this CPU (`packs_dtype`) stay on `F.linear`.
+MKL, which on AMD's Zen 5 ran SmolLM2's layers 1.9-2.5x slower than oneDNN's packed GEMM at 1 to
+1024 rows, and its decode forward 1.6-2.2x slower (`benchmarks/cpu_fp32_linear.py`; vLLM's CPU
+backend runs float32 through oneDNN as well). The two differ by float rounding (about 1e-5 on
+those layers), as the native attention kernels already do from Hugging Face's; the exactness
+tests hold the greedy tokens to Hugging Face's. Half-precision layers whose dtype oneDNN cannot
+pack on this CPU (`packs_dtype`) stay on `F.linear`.
 
 A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
