@@ -64,9 +64,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) through the packed weight, or for a few rows through `plain` (the unpacked
-    weight, when `keeps_plain` kept it) and the native small-batch kernel, which is bfloat16's
-    (a packed LM head of another dtype passes its plain weight too: the embedding's, which it shares)."""
-    if plain is not None and x.dim() == 2 and x.shape[0] in kernel_rows() and plain.dtype == torch.bfloat16 and plain.numel() > 0:
+    weight, when `keeps_plain` kept it) and the native small-batch kernel."""
+    if plain is not None and x.dim() == 2 and x.shape[0] in kernel_rows() and plain.numel() > 0:
         return small_linear(x, plain, bias)
     return onednn_linear(x, packed, bias)
 

@@ -45,18 +45,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocabulary range, gathered to the first TP rank."""
 
     packed_weight: torch.Tensor | None = None
+    # Whether the plain weight also serves the small-batch kernel (cpu_gemm.keeps_plain): it always
+    # stays, since a tied head shares it with the embedding, but the kernel takes bfloat16 only.
+    plain_for_kernel = False
 
     def pack_for_cpu(self) -> bool:
-        """A oneDNN-packed copy for the logits (cpu_gemm); the plain weight stays, since a tied
-        head shares it with the embedding."""
+        """A oneDNN-packed copy for the logits (cpu_gemm)."""
         if not cpu_gemm.can_pack(self.weight):
             return False
         self.packed_weight = cpu_gemm.pack(self.weight)
+        self.plain_for_kernel = cpu_gemm.keeps_plain(self.weight)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed_weight is not None:
-            local = cpu_gemm.linear(hidden, self.packed_weight, None, self.weight)
+            local = cpu_gemm.linear(hidden, self.packed_weight, None, self.weight if self.plain_for_kernel else None)
         else:
             local = F.linear(hidden, self.weight)
         logits = self.parallel.gather_to_first(local)
