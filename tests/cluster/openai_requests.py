@@ -10,10 +10,12 @@ import openai
 
 
 async def ask(
-    client: openai.AsyncOpenAI, model: str, prompt: str, is_chat: bool, params: dict, started: asyncio.Event | None
+    client: openai.AsyncOpenAI, model: str, prompt: str, is_chat: bool, params: dict, started: asyncio.Event | None,
+    received: list[int] | None = None,
 ) -> tuple[tuple[str, ...], int, int]:
     """(each choice's text by index, prompt_tokens, completion_tokens). Streamed unless `started`
-    is None; a stream sets `started` at its first text."""
+    is None; a stream sets `started` at its first text, and adds each piece's length to
+    `received[0]` (its progress, for a sender that waits on it)."""
     common = {"model": model, **params}
     messages = [{"role": "user", "content": prompt}]
     if started is None:
@@ -33,8 +35,11 @@ async def ask(
     usage = None
     async for chunk in response:
         for choice in chunk.choices:
-            parts.setdefault(choice.index, []).append((choice.delta.content if is_chat else choice.text) or "")
+            piece = (choice.delta.content if is_chat else choice.text) or ""
+            parts.setdefault(choice.index, []).append(piece)
             started.set()
+            if received is not None:
+                received[0] += len(piece)
         if chunk.usage is not None:
             usage = chunk.usage
     return tuple("".join(parts[index]) for index in sorted(parts)), usage.prompt_tokens, usage.completion_tokens
