@@ -1,6 +1,6 @@
-"""float32 linear layers: MKL (`F.linear` on the plain weight, what the engine runs) against
-oneDNN's GEMM on the weight packed at load (cpu_gemm's bfloat16 path, measured for float32 and
-not adopted: see cpu_gemm's docstring), on the shapes of a
+"""float32 linear layers: MKL (`F.linear` on the plain weight, the engine's float32 path before
+it packed float32) against oneDNN's GEMM on the weight packed at load (cpu_gemm, the path now),
+on the shapes of a
 model's layers (every linear of every decoder layer, then the LM head), and the whole eager
 forward of a decode step with each.
 

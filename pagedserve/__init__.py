@@ -6,7 +6,11 @@ imports a submodule does not pay for the whole engine.
 
 from typing import TYPE_CHECKING
 
+from pagedserve.onednn_caches import bound_caches
+
 __version__ = "0.1.0"
+
+bound_caches()  # before any model runs in this process (onednn_caches.py)
 
 _EXPORTS = {
     "LLM": "pagedserve.engine.llm",

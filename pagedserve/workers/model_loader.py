@@ -40,7 +40,7 @@ def load_model(
         raise ValueError(f"checkpoint {model_config.model_path} lacks weights for {shown}")
     model.eval()
     compiling = engine_config is not None and should_compile(engine_config, device, parallel)
-    cpu_gemm.pack_model(model, exclude=model.model if compiling else None)  # a no-op off the CPU and in float32
+    cpu_gemm.pack_model(model, exclude=model.model if compiling else None)  # a no-op off the CPU
     if compiling:
         compile_model(model)
     return model

@@ -1,6 +1,7 @@
-"""Half-precision linear layers on the CPU run on oneDNN-packed weights (workers/layers/cpu_gemm):
-the same forward as `F.linear` on the plain weights, within bfloat16's rounding; float32 is left
-on `F.linear`; the plain copies are freed except a tied LM head's, which the embedding shares."""
+"""Linear layers on the CPU run on oneDNN-packed weights (workers/layers/cpu_gemm): the same
+forward as `F.linear` on the plain weights, within bfloat16's rounding, or float32's; the plain
+copies are freed except a tied LM head's, which the embedding shares, and a bfloat16 layer's where
+the small-batch kernel reads it."""
 
 from __future__ import annotations
 
@@ -104,7 +105,17 @@ def test_small_batch_kernel_matches_float32_within_a_rounding(rows, out_features
 
 
 @torch.inference_mode()
-def test_float32_is_not_packed(model_dirs):
-    model = build(model_dirs["llama"], torch.float32, max_positions=128)
-    assert all(m.packed_weight is None and m.weight.numel() > 0 for m in _linears(model))
-    assert model.lm_head.packed_weight is None
+def test_packed_float32_forward_matches_plain(model_dirs, monkeypatch):
+    """float32 runs on oneDNN too (MKL's float32 was 2-5x slower on a Zen 5): within float32's
+    rounding of F.linear. Its LM head keeps the plain weight it shares with the embedding, and a
+    decode step of a few rows must not take it to the bfloat16-only small-batch kernel."""
+    packed = build(model_dirs["llama"], torch.float32, max_positions=128)
+    assert all(m.packed_weight is not None and m.weight.numel() == 0 for m in _linears(packed))
+    assert packed.lm_head.packed_weight is not None and packed.lm_head.weight.numel() > 0
+    assert not packed.lm_head.plain_for_kernel
+    monkeypatch.setattr(cpu_gemm, "can_pack", lambda weight: False)
+    plain = build(model_dirs["llama"], torch.float32, max_positions=128)
+    assert all(m.packed_weight is None for m in _linears(plain))
+    torch.testing.assert_close(_forward(packed), _forward(plain), atol=1e-4, rtol=1e-4)
+    decode = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
+    torch.testing.assert_close(_forward(packed, **decode), _forward(plain, **decode), atol=1e-4, rtol=1e-4)

@@ -1,15 +1,16 @@
-"""Half-precision linear layers on the CPU through oneDNN with the weight prepacked once.
+"""Linear layers on the CPU through oneDNN with the weight prepacked once.
 
 `F.linear` on a bfloat16 CPU weight reorders the weight into oneDNN's blocked layout on every
 call; packing it at load time (what inductor's weight freezing and vLLM's CPU backend do) saves
 that: measured on SmolLM2-135M's bf16 forward, one thread, 16% of a decode step at 8 rows, 7% at
-64 and nothing at 128 (`benchmarks/cpu_forward.py`). float32 stays on `F.linear` (MKL), and so
-do the half-precision layers where oneDNN cannot pack their dtype (`packs_dtype`). Packing float32
-too was measured and not adopted: on a Zen 5, MKL ran SmolLM2's layers 1.9-2.5x slower than
-oneDNN (`benchmarks/cpu_fp32_linear.py`) and offline float32 went from 0.82x to 1.64x vLLM, but the
-server's RSS grew 276 MiB in the first 6 s of `tests/cluster/test_soak.py` and about 2 MiB/s after
-(10 MiB in all on MKL), likely oneDNN's primitive cache, one entry per row count and shape; until
-that growth is shown bounded (ONEDNN_PRIMITIVE_CACHE_CAPACITY), float32 stays here.
+64 and nothing at 128 (`benchmarks/cpu_forward.py`). float32 is packed too: `F.linear` sends it
+to MKL, which on a Zen 5 ran SmolLM2's layers 1.9-2.5x slower than oneDNN's packed GEMM
+(`benchmarks/cpu_fp32_linear.py`; vLLM's CPU backend runs float32 through oneDNN as well). The two
+differ by float rounding, as the native attention kernels already do from Hugging Face's; the
+exactness tests hold the greedy tokens to Hugging Face's. oneDNN makes a primitive per row count,
+and the caches that keep them are bounded at pagedserve's import (onednn_caches.py): unbounded,
+they grew the soak test's server by 279 MiB in 6 s. Half-precision layers whose dtype oneDNN
+cannot pack on this CPU (`packs_dtype`) stay on `F.linear`.
 
 A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
@@ -44,12 +45,14 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def packs_dtype(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs `dtype` weights on this CPU. Its bfloat16 path needs AVX-512 (BW, VL,
-    DQ) or AVX-NE-CONVERT, its float16 path AVX512-FP16 or AVX-NE-CONVERT; elsewhere packing
-    raises, so those layers stay on `F.linear`, slower but correct."""
+    """Whether oneDNN packs `dtype` weights on this CPU. float32 it packs wherever it runs; its
+    bfloat16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, its float16 path AVX512-FP16 or
+    AVX-NE-CONVERT; elsewhere packing raises, so those layers stay on `F.linear`, slower but correct."""
     mkldnn = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
         return False
+    if dtype == torch.float32:
+        return True
     if dtype == torch.bfloat16:
         return mkldnn._is_mkldnn_bf16_supported()
     if dtype == torch.float16:
