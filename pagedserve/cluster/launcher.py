@@ -4,7 +4,8 @@ It joins the Ray cluster at RAY_ADDRESS or starts a local one, checks the cluste
 engine's ranks before any actor starts (on a local cluster it started itself, a lone CPU engine
 replica gets every core: `machine_defaults`), prints the URL and a curl example, and on a signal stops
 taking requests, lets in-flight ones finish for `graceful_shutdown_s` (Serve then aborts them),
-releases every actor and exits.
+releases every actor and exits. Ray processes it starts run on tcmalloc where the machine has it
+(cluster/tcmalloc.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from typing import Callable
 
+from pagedserve.cluster import tcmalloc
 from pagedserve.cluster.server_config import ServerConfig
 
 APP_NAME = "pagedserve"
@@ -37,6 +39,9 @@ def serve_forever(config: ServerConfig) -> int:
     from pagedserve.ray_env import ensure_ray_initialized
 
     config.resolve_api_key()  # a key file that is missing or empty stops us before Ray starts
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # Ray will start here
+        allocator = tcmalloc.preload_for_children()
+        print(f"pagedserve: {f'tcmalloc preloaded ({allocator})' if allocator else 'no tcmalloc found: glibc malloc'}", flush=True)
     # Each replica takes a CPU slot, and so does each rank of a CPU engine.
     replicas = config.deployment.max_num_replicas
     started_ray = ensure_ray_initialized(replicas * (1 + config.engine_config().world_size))

@@ -1,5 +1,6 @@
 """`pagedserve serve` as a user runs it: a subprocess that starts its own Ray, requires the key
-from its key file, answers a chat request, and exits cleanly on SIGTERM."""
+from its key file, answers a chat request, and exits cleanly on SIGTERM. Its engine replica runs
+on tcmalloc exactly where this machine has it (cluster/tcmalloc.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import time
 
 import openai
+import psutil
 import pytest
 import requests
 
+from pagedserve.cluster import tcmalloc
 from tests.cluster.conftest import free_port, wait_until
 
 
@@ -25,7 +28,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
     config.write_text(
         f"model: {model_dirs['llama']}\nserved_model_name: cli-llama\napi_key_file: {tmp_path / 'key'}\nengine: {{max_model_len: 128}}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "LD_PRELOAD", tcmalloc.SWITCH)}
     command = [sys.executable, "-m", "pagedserve.cli", "serve", "--config", str(config), "--port", str(port), "--max-model-len", "256"]
     log = open(tmp_path / "serve.log", "w+")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -39,6 +42,8 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         reply = client.chat.completions.create(model="cli-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
         assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
         assert client.models.list().data[0].id == "cli-llama"  # the flag overrode nothing else
+        expected = tcmalloc.find()  # None on a machine without it: then glibc's malloc
+        assert _replica_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0, _tail(log)
@@ -46,10 +51,20 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         output = _tail(log)
         assert "serving 'cli-llama'" in output and "curl http://127.0.0.1" in output and "pagedserve: stopped" in output
         assert "Bearer $PAGEDSERVE_API_KEY" in output and key not in output
+        assert ("pagedserve: tcmalloc preloaded" if expected else "pagedserve: no tcmalloc found") in output
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
+
+
+def _replica_allocator(pid: int) -> str | None:
+    """The tcmalloc the engine replica among `pid`'s descendants has mapped, or None."""
+    replicas = [p for p in psutil.Process(pid).children(recursive=True) if "LLMServer" in " ".join(p.cmdline())]
+    assert len(replicas) == 1, [p.cmdline() for p in psutil.Process(pid).children(recursive=True)]
+    paths = {m.path for m in replicas[0].memory_maps() if "tcmalloc" in os.path.basename(m.path)}
+    assert len(paths) <= 1, paths
+    return os.path.realpath(paths.pop()) if paths else None
 
 
 def _healthy(port: int) -> bool:
