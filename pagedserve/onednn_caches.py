@@ -7,9 +7,10 @@ by default; a primitive stays in memory while either holds it. A server's steps 
 count from one to its token budget, and each primitive holds 0.6-1.7 MB (SmolLM2's layers in
 bf16 on a Zen 5, more with more rows). Unbounded, a sweep of 340 row counts over SmolLM2's four
 layer shapes grew a process by 1.86 GB, and the soak test's server grew 279 MiB in its first 6 s
-(float32); with both caches at CAPACITY entries the sweep's growth levels off at 90-180 MB, and
-offline bf16 ran no slower (25.2-26.0 s at 32 entries, 25.6-26.2 at 128, 26.4-27.3 at 1024;
-SmolLM2, 256 prompts, `compare_vllm.py --engines pagedserve --skip-online`). A miss costs
+(float32); with both caches at CAPACITY entries the sweep's growth levels off at 90-180 MB, and a
+two-minute soak of the demo server grew 27 MiB against 251 (benchmarks/results/onednn_caches_zen5/).
+Offline bf16 took 26.8-27.0 s against 24.6-27.6 s at 1024 entries (four runs each, alternately;
+SmolLM2, 256 prompts): within the runs' spread, at most 3% by the medians. A miss costs
 0.3-1.4 ms per layer shape in bf16 (0.4-2.9 in float32), once per shape and step: the layers of
 one shape share a primitive.
 
