@@ -35,6 +35,7 @@ from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.kernels import get_attention_backend  # noqa: E402
 from pagedserve.model_resolver import resolve_model_config  # noqa: E402
 from pagedserve.workers.model_loader import load_model  # noqa: E402
+from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from pagedserve.workers.models.llama import LlamaForCausalLM, attention_dims  # noqa: E402
 from pagedserve.workers.parallel_state import ParallelContext  # noqa: E402
 from tests.kernels.paged_batch import make_batch  # noqa: E402
@@ -89,6 +90,31 @@ def forward_report(args: argparse.Namespace, cpu_ms: Callable[..., float]) -> di
             row[name] = {"eager_ms": eager, "compiled_ms": compiled, "speedup": round(eager / compiled, 2), "compile_s": round(compile_s, 1)}
         report[str(dtype).removeprefix("torch.")] = row
     return report
+
+
+def linear_layers(model: LlamaForCausalLM) -> list:
+    """Every linear of every decoder layer, then the LM head."""
+    return [*(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), model.lm_head]
+
+
+def decode_forward(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """The eager forward and logits of a decode step of `rows` sequences (128-192 tokens of context)."""
+    shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=16)
+    input_ids, positions, meta, kv_cache = steps(model, shape, dtype)["decode"]
+    for attn in model.attention_layers():
+        attn.kv_cache = kv_cache
+    return lambda: model.compute_logits(model(input_ids, positions, meta))
+
+
+def layer_bench_args(description: str, rows: str, repeats: int) -> argparse.Namespace:
+    """The flags of the per-layer benchmarks (cpu_small_linear.py, cpu_fp32_linear.py)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default=rows)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--output", type=Path)
+    return parser.parse_args()
 
 
 def parse_args() -> argparse.Namespace:

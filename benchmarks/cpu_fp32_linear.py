@@ -13,7 +13,6 @@ from memory as in a real step. Run it on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Callable
@@ -24,35 +23,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpu_forward import build, steps  # noqa: E402
+from cpu_forward import build, decode_forward, layer_bench_args, linear_layers  # noqa: E402
 import common  # noqa: E402
 
 from pagedserve.workers.layers import cpu_gemm  # noqa: E402
-from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--rows", default="1,8,64,256,1024")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", type=Path)
-    return parser.parse_args()
-
-
-def build_packed(folder: Path):
-    """The model with its float32 layers packed as bfloat16's are (the lever measured here)."""
-    packs_dtype = cpu_gemm.packs_dtype
-    cpu_gemm.packs_dtype = lambda dtype: dtype == torch.float32 or packs_dtype(dtype)
+def build_plain(folder: Path):
+    """The model with its float32 layers left on F.linear (MKL), as before float32 was packed."""
+    can_pack = cpu_gemm.can_pack
+    cpu_gemm.can_pack = lambda weight: False
     try:
         return build(folder, torch.float32, 4096)
     finally:
-        cpu_gemm.packs_dtype = packs_dtype
-
-
-def linear_layers(model) -> list:
-    return [*(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), model.lm_head]
+        cpu_gemm.can_pack = can_pack
 
 
 def layer_pass(layers: list, rows: int, packed: dict | None) -> Callable[[], None]:
@@ -72,11 +56,11 @@ def layer_pass(layers: list, rows: int, packed: dict | None) -> Callable[[], Non
 
 @torch.inference_mode()
 def main() -> None:
-    args = parse_args()
+    args = layer_bench_args(__doc__, rows="1,8,64,256,1024", repeats=5)
     if not torch.backends.mkldnn.is_available():
         sys.exit("this torch build has no oneDNN")
-    plain_model = build(Path(args.model), torch.float32, 4096)
-    packed_model = build_packed(Path(args.model))
+    plain_model = build_plain(Path(args.model))
+    packed_model = build(Path(args.model), torch.float32, 4096)  # as the engine loads it
     layers = linear_layers(plain_model)
     packed = {m: cpu_gemm.pack(m.weight) for m in layers}
     report: dict = {"model": args.model, "weights_mb": round(sum(m.weight.nbytes for m in layers) / 1e6, 1), "layers": {}, "decode_forward": {}}
@@ -92,11 +76,7 @@ def main() -> None:
             key = f"{threads}_threads_{rows}_rows"
             times = {}
             for name, model in (("mkl", plain_model), ("onednn", packed_model)):
-                shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=16)
-                input_ids, positions, meta, kv_cache = steps(model, shape, torch.float32)["decode"]
-                for attn in model.attention_layers():
-                    attn.kv_cache = kv_cache
-                times[f"{name}_ms"] = common.median_ms(lambda: model.compute_logits(model(input_ids, positions, meta)), args.repeats)
+                times[f"{name}_ms"] = common.median_ms(decode_forward(model, rows, torch.float32), args.repeats)
             report["decode_forward"][key] = {**times, "speedup": round(times["mkl_ms"] / times["onednn_ms"], 2)}
             print(f"[{key}] decode forward {report['decode_forward'][key]}", file=sys.stderr, flush=True)
     common.write_report(report, args.output, indent=1)

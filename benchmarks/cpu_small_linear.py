@@ -14,7 +14,6 @@ quiet machine: wall time, and a second thread's work is not this thread's CPU ti
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Callable
@@ -24,29 +23,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpu_forward import build, steps  # noqa: E402
+from cpu_forward import build, decode_forward, layer_bench_args, linear_layers  # noqa: E402
 import common  # noqa: E402
 
 from pagedserve.workers.layers import cpu_gemm, small_batch_choice  # noqa: E402
-from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--rows", default="1,2,3,4")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--output", type=Path)
-    return parser.parse_args()
-
 
 median_ms = common.median_ms
 
 
 def layer_pass(model, rows: int, small: bool) -> Callable[[], None]:
     """Every linear of the model and its LM head once, on `rows` random rows."""
-    layers = [*(m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), model.lm_head]
+    layers = linear_layers(model)
     xs = [torch.randn(rows, m.weight.shape[1], dtype=torch.bfloat16) for m in layers]
 
     def run() -> None:
@@ -58,12 +45,11 @@ def layer_pass(model, rows: int, small: bool) -> Callable[[], None]:
 
 @torch.inference_mode()
 def main() -> None:
-    args = parse_args()
+    args = layer_bench_args(__doc__, rows="1,2,3,4", repeats=9)
     if cpu_gemm.small_batch_rows() == 0:
         sys.exit("the small-batch kernel does not run here (no AVX-512 BF16, or no compiler)")
     model = build(Path(args.model), torch.bfloat16, 4096)
-    weight_mb = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
-    weight_mb = (weight_mb + model.lm_head.weight.numel() * 2) / 1e6
+    weight_mb = sum(m.weight.numel() * 2 for m in linear_layers(model)) / 1e6
     report = {"model": args.model, "weights_read_mb": round(weight_mb, 1), "layers": {}, "forward": {}, "start_up_choice": {}}
     every_count = frozenset(range(1, cpu_gemm.small_batch_rows() + 1))
     for threads in map(int, args.threads.split(",")):
@@ -75,11 +61,7 @@ def main() -> None:
         for rows in map(int, args.rows.split(",")):
             small = median_ms(layer_pass(model, rows, small=True), args.repeats)
             onednn = median_ms(layer_pass(model, rows, small=False), args.repeats)
-            shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=16)
-            input_ids, positions, meta, kv_cache = steps(model, shape, torch.bfloat16)["decode"]
-            for attn in model.attention_layers():
-                attn.kv_cache = kv_cache
-            forward = lambda: model.compute_logits(model(input_ids, positions, meta))  # noqa: E731
+            forward = decode_forward(model, rows, torch.bfloat16)
             with_kernel = median_ms(forward, args.repeats)
             cpu_gemm.set_kernel_rows(frozenset())  # oneDNN for every batch
             without = median_ms(forward, args.repeats)
