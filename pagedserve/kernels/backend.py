@@ -33,7 +33,7 @@ class AttentionBackend:
 TORCH = AttentionBackend("torch", reference.kv_cache_shape, reference.write_kv_cache, reference.paged_attention)
 # The reference's cache layout and writer: only decode attention differs.
 CPU = AttentionBackend("cpu", reference.kv_cache_shape, reference.write_kv_cache, cpu_attention.paged_attention)
-NATIVE = AttentionBackend("native", reference.kv_cache_shape, reference.write_kv_cache, cpu_native.paged_attention)
+NATIVE = AttentionBackend("native", reference.kv_cache_shape, cpu_native.write_kv_cache, cpu_native.paged_attention)
 # Backends whose kernels read lengths from device tensors only, so a CUDA graph can capture them.
 GRAPH_SAFE_BACKENDS = ("triton", "flash_attn")
 

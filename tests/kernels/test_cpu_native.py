@@ -53,6 +53,51 @@ def test_random_ragged_batches(seed, dtype):
     check_against_reference(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cache_write_equals_the_reference_bit_for_bit(dtype, block_size):
+    """The C++ write puts each token's K/V row where reference.write_kv_cache's index_copy_ puts
+    it, including from strided views of a QKV projection (how the model hands them over), and
+    leaves every other slot alone."""
+    batch = make_batch(*CASES["mixed"], 9, 3, head_dim=64, block_size=block_size, dtype=dtype, seed=3)
+    num_tokens = batch.key.shape[0]
+    qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64).to(dtype)
+    key = qkv[:, 9 * 64 : 12 * 64].reshape(num_tokens, 3, 64)  # a view: rows 15 heads apart
+    value = qkv[:, 12 * 64 :].reshape(num_tokens, 3, 64)
+    assert not key.is_contiguous()
+    expected, actual = batch.kv_cache.clone(), batch.kv_cache.clone()
+    reference.write_kv_cache(key, value, expected, batch.meta.slot_mapping)
+    cpu_native.write_kv_cache(key, value, actual, batch.meta.slot_mapping)
+    assert not torch.equal(expected, batch.kv_cache)  # the reference wrote something
+    assert torch.equal(actual, expected)
+
+
+def test_cache_write_refuses_a_slot_outside_the_cache():
+    batch = make_batch([1], [3], 4, 2, head_dim=64, dtype=torch.float32)
+    slots = batch.kv_cache.shape[2] * batch.kv_cache.shape[3]
+    with pytest.raises(RuntimeError, match=f"slot {slots} is outside the cache's {slots} slots"):
+        cpu_native.write_kv_cache(batch.key, batch.value, batch.kv_cache, torch.tensor([slots]))
+
+
+def test_threads_split_decodes_by_work_to_the_same_answer():
+    """Decode rows come longest first, and the kernel splits them across threads by keys to read,
+    not by count: any number of threads (more than rows, too) gives the same bits."""
+    lengths = [900, 700, 300, 40, 17, 16, 5, 1]
+    batch = make_batch([1] * len(lengths), [n - 1 for n in lengths], 9, 3, head_dim=64, dtype=torch.bfloat16, seed=4)
+    check_against_reference(batch)
+    cache = batch.kv_cache.clone()
+    reference.write_kv_cache(batch.key, batch.value, cache, batch.meta.slot_mapping)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 64):
+            torch.set_num_threads(n)
+            outs.append(cpu_native.paged_attention(batch.query, batch.key, batch.value, cache, batch.meta, batch.scale))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def test_threads_split_the_same_answer():
     """Rows are split across torch's threads: the answer must not depend on how."""
     batch = make_batch(*CASES["mixed"], 8, 2, head_dim=64, dtype=torch.bfloat16, seed=5)
