@@ -29,6 +29,8 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --server-defaults   # as users start them
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick --vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
         --vllm-env LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/work/peers-venv/lib/libiomp5.so   # vLLM tuned
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-online \
+        --pagedserve-env LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 --vllm-env ...   # offline, both on tcmalloc
 
 Offline engines: `pagedserve` (its defaults: eager on the CPU), `pagedserve-compiled` (`enforce_eager=False`:
 torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
@@ -74,6 +76,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
     parser.add_argument(
+        "--pagedserve-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for pagedserve, offline and server; repeatable. `pagedserve serve` preloads "
+        "tcmalloc itself; an offline process cannot, so the tuning vLLM's docs give its users is "
+        "LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 here too",
+    )
+    parser.add_argument(
         "--vllm-env", action="append", default=[], metavar="KEY=VALUE",
         help="an environment variable for vLLM's engine, offline and server (not the load client); repeatable. "
         "vLLM's CPU tuning: VLLM_CPU_NUM_OF_RESERVED_CPU=0 (by default it keeps one core for its scheduler process), "
@@ -105,10 +113,11 @@ def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     if engine != "vllm":
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env.pop("RAY_ADDRESS", None)  # pagedserve serve starts its own local Ray
+        env.update(env_pairs(args.pagedserve_env, "--pagedserve-env"))
         return env
     env = client_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "4" if args.server_defaults else str(int(args.kv_cache_gib))
-    env.update(vllm_env(args.vllm_env))
+    env.update(env_pairs(args.vllm_env, "--vllm-env"))
     return env
 
 
@@ -120,13 +129,13 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def vllm_env(pairs: list[str]) -> dict[str, str]:
-    """--vllm-env's KEY=VALUE pairs as a dict."""
+def env_pairs(pairs: list[str], flag: str) -> dict[str, str]:
+    """--vllm-env's or --pagedserve-env's KEY=VALUE pairs as a dict."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            sys.exit(f"--vllm-env {pair!r}: expected KEY=VALUE")
+            sys.exit(f"{flag} {pair!r}: expected KEY=VALUE")
         env[key] = value
     return env
 

@@ -1,5 +1,6 @@
 """compare_vllm.py's process environments: `--vllm-env` reaches vLLM's engine and nothing else,
-and pagedserve keeps the PYTHONPATH that points it at the tree being measured."""
+`--pagedserve-env` pagedserve's, and pagedserve keeps the PYTHONPATH that points it at the tree
+being measured."""
 
 from __future__ import annotations
 
@@ -40,8 +41,17 @@ def test_vllm_env_reaches_the_vllm_engine_only(monkeypatch):
     assert "LD_PRELOAD" not in client and "PYTHONPATH" not in client
 
 
+def test_pagedserve_env_reaches_pagedserve_only(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    args = parsed("--pagedserve-env", "LD_PRELOAD=/t.so", "--vllm-env", "VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    assert compare_vllm.engine_env("pagedserve", args)["LD_PRELOAD"] == "/t.so"
+    assert "LD_PRELOAD" not in compare_vllm.engine_env("vllm", args)
+    assert "LD_PRELOAD" not in compare_vllm.client_env()
+
+
 def test_a_value_without_a_key_is_refused():
-    assert compare_vllm.vllm_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
-    for bad in ("LD_PRELOAD", "=1"):
-        with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-            compare_vllm.vllm_env([bad])
+    assert compare_vllm.env_pairs(["A=1", "B=x=y"], "--vllm-env") == {"A": "1", "B": "x=y"}
+    for flag in ("--vllm-env", "--pagedserve-env"):
+        for bad in ("LD_PRELOAD", "=1"):
+            with pytest.raises(SystemExit, match=f"{flag} '{bad}': expected KEY=VALUE"):
+                compare_vllm.env_pairs([bad], flag)
