@@ -23,8 +23,8 @@
 #include "vec_math.h"
 
 #include <algorithm>
-#include <bit>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,15 +68,11 @@ inline void row_to_float(const T* src, float* dst, int64_t n) {
 
 // The blocks of a sequence lie anywhere in the cache: without a prefetch, each new block's first
 // rows stall on memory (measured: the prefetch made a 128-row bf16 decode 1.2x faster).
-template <typename T>
+// Locality 3 fetches into L1; 2 into L2, for what is read only after the current task.
+template <int Locality = 3, typename T>
 inline void prefetch_block(const T* block, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(block);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset);
-}
-template <typename T>
-inline void prefetch_block_l2(const T* block, int64_t elements) {
-  const char* bytes = reinterpret_cast<const char*>(block);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset, 0, 2);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset, 0, Locality);
 }
 
 // The block holding token t of a head's context; also prefetches the block after it.
@@ -96,8 +92,8 @@ struct Scratch {  // one per thread, reused by its tasks
   std::vector<int64_t> offsets;
 };
 
-constexpr int64_t kPrefetchBytes = 64 * 1024;
-constexpr int64_t kTaskCost = 16;  // a task's fixed cost, in keys, for split_by_work  // at most this much of the next task's K and V
+constexpr int64_t kPrefetchBytes = 64 * 1024;  // at most this much of the next task's K and V
+constexpr int64_t kTaskCost = 16;              // a task's fixed cost, in keys, for split_by_work
 
 template <typename T>
 void prefetch_context(const T* key_head, const T* value_head, const int32_t* block_table, int64_t context, const Shape& s) {
@@ -105,8 +101,8 @@ void prefetch_context(const T* key_head, const T* value_head, const int32_t* blo
   const int64_t blocks = std::min((context + s.block_size - 1) / s.block_size,
                                   kPrefetchBytes / (2 * block_elements * static_cast<int64_t>(sizeof(T))) + 1);
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_block_l2(key_head + static_cast<int64_t>(block_table[b]) * block_elements, block_elements);
-    prefetch_block_l2(value_head + static_cast<int64_t>(block_table[b]) * block_elements, block_elements);
+    prefetch_block<2>(key_head + static_cast<int64_t>(block_table[b]) * block_elements, block_elements);
+    prefetch_block<2>(value_head + static_cast<int64_t>(block_table[b]) * block_elements, block_elements);
   }
 }
 
@@ -191,12 +187,6 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, even), _mm512_shuffle_f32x4(lo, hi, odd));
 }
 
-template <typename T>
-inline void prefetch_row(const T* row, int64_t elements) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset);
-}
-
 template <typename T, int64_t C>
 constexpr bool kBf16Dots =
 #if defined(__AVX512BF16__)
@@ -241,8 +231,8 @@ inline void tile_dots(const T* query, const float (*q)[C * 16], const T* key_hea
   }
 }
 
-// G query heads per KV head and C chunks of 16 in head_dim, as constants: the accumulators
-// then live in registers (with runtime counts the compiler kept them on the stack).
+// bf16 with AVX-512 BF16: G query heads per KV head and C chunks of 16 in head_dim, as constants,
+// so a tile's dot products and the value accumulators live in registers.
 template <typename T, int64_t G, int64_t C>
 bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
                   int64_t context, bool cold, const Shape& s, float scale, std::vector<int64_t>& offsets) {
@@ -271,8 +261,8 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
   for (int64_t t0 = 0; t0 < context; t0 += kTile) {
     const int64_t n = std::min(kTile, context - t0);
     for (int64_t k = 0; prefetch && k < kTile && t0 + 2 * kTile + k < context; ++k) {  // two tiles ahead
-      prefetch_row(key_head + offsets[t0 + 2 * kTile + k], D);
-      prefetch_row(value_head + offsets[t0 + 2 * kTile + k], D);
+      prefetch_block(key_head + offsets[t0 + 2 * kTile + k], D);
+      prefetch_block(value_head + offsets[t0 + 2 * kTile + k], D);
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     tile_dots<T, G, C>(query, q, key_head, offsets.data() + t0, n, dots);
@@ -312,9 +302,10 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
   return true;
 }
 
-// float32 and float16: one key at a time, two passes (scores, then the weighted values), each
-// key loaded once for all G heads. Measured against the tiles below, this stays ahead where a
-// key is four vectors of float32 (prefill 1.15x) and no bf16 pair products apply.
+// float32 and float16 (and bf16 without AVX-512 BF16): one key at a time, two passes (scores,
+// then the weighted values), each key loaded once for all G heads. Measured against the tiles
+// above, this stays ahead where no bf16 pair products apply: 1.15x on float32 prefill, where a
+// key is four vectors wide. G and C are constants so the accumulators live in registers.
 template <typename T, int64_t G, int64_t C>
 bool attend_per_key(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
                   int64_t context, const Shape& s, float scale, std::vector<float>& scratch) {
@@ -433,10 +424,10 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
     const int64_t begin = bounds[first_part], end = bounds[end_part];
     Scratch scratch;
     int64_t fast = 0;
+    // A sequence's first row of this step reads its context from memory; the rows after it (a
+    // prefill chunk's) find the same keys and values in cache, where a prefetch only costs.
+    const auto is_cold = [&](int64_t row) { return row == 0 || seq_of_token[row - 1] != seq_of_token[row]; };
     for (int64_t task = begin; task < end; ++task) {
-      // A sequence's first row of this step reads its context from memory; the rows after it
-      // (a prefill chunk's) find the same keys and values in cache, where a prefetch only costs.
-      const auto is_cold = [&](int64_t row) { return row == 0 || seq_of_token[row - 1] != seq_of_token[row]; };
       if (task + 1 < end && is_cold((task + 1) / s.num_kv_heads)) {  // the next task's K/V stream in while this one computes
         const int64_t r1 = (task + 1) / s.num_kv_heads, h1 = (task + 1) % s.num_kv_heads;
         prefetch_context(keys + h1 * head_stride, values + h1 * head_stride, tables + seq_of_token[r1] * s.max_blocks,
