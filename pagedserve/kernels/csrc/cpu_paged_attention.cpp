@@ -87,9 +87,28 @@ struct Shape {
   int64_t num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks;
 };
 
-struct Scratch {  // one per thread, reused by its tasks
+// Each key's row as an element offset from its head's start (the cache is paged). They depend on
+// the sequence's block table alone, so a row's other KV heads, and a prefill chunk's later rows,
+// extend what the task before computed instead of computing it again.
+struct KeyOffsets {
+  const int32_t* table = nullptr;
+  std::vector<int64_t> of;
+
+  const int64_t* up_to(const int32_t* block_table, int64_t context, int64_t block_size, int64_t head_dim) {
+    if (block_table != table) {
+      table = block_table;
+      of.clear();
+    }
+    const int64_t block_elements = block_size * head_dim, shift = std::countr_zero(static_cast<uint64_t>(block_size));
+    for (int64_t t = static_cast<int64_t>(of.size()); t < context; ++t)  // powers of two: no division per key
+      of.push_back(static_cast<int64_t>(block_table[t >> shift]) * block_elements + (t & (block_size - 1)) * head_dim);
+    return of.data();
+  }
+};
+
+struct Scratch {  // one per thread and call, reused by its tasks
   std::vector<float> floats;
-  std::vector<int64_t> offsets;
+  KeyOffsets offsets;
 };
 
 constexpr int64_t kPrefetchBytes = 64 * 1024;  // at most this much of the next task's K and V
@@ -235,16 +254,12 @@ inline void tile_dots(const T* query, const float (*q)[C * 16], const T* key_hea
 // so a tile's dot products and the value accumulators live in registers.
 template <typename T, int64_t G, int64_t C>
 bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
-                  int64_t context, bool cold, const Shape& s, float scale, std::vector<int64_t>& offsets) {
+                  int64_t context, bool cold, const Shape& s, float scale, KeyOffsets& key_offsets) {
   constexpr int64_t D = C * 16;
   constexpr bool bf16_dots = kBf16Dots<T, C>;
   // A context that outgrows L1 streams from L2 even when an earlier row of its sequence read it.
   const bool prefetch = cold || context * D * static_cast<int64_t>(sizeof(T)) * 2 > 32 * 1024;
-  // Each key's row, as an element offset from its head's start (the cache is paged).
-  offsets.resize(context);
-  const int64_t block_elements = s.block_size * D, shift = std::countr_zero(static_cast<uint64_t>(s.block_size));
-  for (int64_t t = 0; t < context; ++t)  // block sizes are powers of two: no division per key
-    offsets[t] = static_cast<int64_t>(block_table[t >> shift]) * block_elements + (t & (s.block_size - 1)) * D;
+  const int64_t* offsets = key_offsets.up_to(block_table, context, s.block_size, D);
   // The tile's 16 dot products need 16 registers: the query and the running sums wait in memory
   // (one load or store per tile) rather than spill in the key loop.
   alignas(64) float q[G][D], acc[G][D], lane_sums[G][kTile], probs[G][kTile];
@@ -265,7 +280,7 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
       prefetch_block(value_head + offsets[t0 + 2 * kTile + k], D);
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    tile_dots<T, G, C>(query, q, key_head, offsets.data() + t0, n, dots);
+    tile_dots<T, G, C>(query, q, key_head, offsets + t0, n, dots);
     for (int64_t j = 0; j < G; ++j) {
       __m512 scores = sum_lanes16(dots[j]);
       if constexpr (bf16_dots) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
