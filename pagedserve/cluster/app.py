@@ -45,6 +45,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     from pagedserve.cluster.llm_server import LLMServer
     from pagedserve.cluster.metrics_hub import MetricsHub
     from pagedserve.cluster.openai_serving import RequestLimits
+    from pagedserve.cluster.serve_engine_client import ingress_env_vars
 
     config = args if isinstance(args, ServerConfig) else ServerConfig.load(overrides=args or {})
     api_key = config.resolve_api_key()  # before anything starts: a missing key file stops us here
@@ -79,7 +80,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": ingress_env_vars()}},
         graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
         graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
         max_surge_percent=INGRESS_MAX_SURGE_PERCENT,

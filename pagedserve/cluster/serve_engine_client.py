@@ -16,13 +16,17 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 APP_STATUS_MAX_AGE_S = 1.0  # how long one look at the app's status answers whether it is being deleted
 
-# Serve's gRPC transport carries messages of at most 4 MiB each way (Ray 2.60: a 7 MB argument
+# Serve's gRPC transport receives messages of at most 4 MiB by default (Ray 2.60: a 7 MB argument
 # and a 7 MB stream item both fail with gRPC's RESOURCE_EXHAUSTED). Calls whose arguments pickle
 # past GRPC_ARGS_MAX_BYTES (a prompt of a quarter million characters) go by reference instead,
-# through Ray's actor calls and object store. The answers stay far below the limit: a stream's
-# first item repeats the prompt (so at most about the arguments' size), later items are the
-# deltas of a step or a few.
+# through Ray's actor calls and object store: the replica's limit is its own, set where it starts.
 GRPC_ARGS_MAX_BYTES = 1 << 20
+# The answers have no such bound: a non-streaming answer is one item, and n=8 x 1500 tokens with
+# 20 logprobs each pickles past 4 MiB (a 503 after the whole generation, before this). So the
+# ingress, the receiving end, takes items up to gRPC's largest message. Serve reads the limit from
+# its environment when the process starts, hence an environment variable (`ingress_env_vars`).
+GRPC_ANSWER_MAX_BYTES = 2**31 - 1
+GRPC_RECEIVE_LIMIT_VARIABLE = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
 # Over gRPC a stopped replica and a crashed one both end a stream with "actor unavailable"; the
 # GCS's record of the actor's death tells them apart. It may land a moment after the stream ends.
 DEATH_RECORD_WAIT_S = 5.0
@@ -104,6 +108,11 @@ class ServeEngineClient:
         if reason is None and self._deaths.get(actor_id) is look:
             del self._deaths[actor_id]  # it read as alive: its later end is asked about afresh
         return reason == "RAY_KILL"
+
+
+def ingress_env_vars() -> dict[str, str]:
+    """The environment the ingress's process needs for the gRPC transport (app.py sets it)."""
+    return {GRPC_RECEIVE_LIMIT_VARIABLE: str(GRPC_ANSWER_MAX_BYTES)}
 
 
 def grpc_errors() -> tuple[type[BaseException], ...]:

@@ -149,6 +149,22 @@ def test_logprobs(client, offline):
         assert item.logprob == item.top_logprobs[0].logprob  # greedy took the top token
 
 
+def test_a_non_streaming_answer_past_grpcs_default_limit_arrives_whole(client, offline):
+    """A non-streaming answer is one item of the replica's stream: 24 samples of 500 tokens with
+    20 logprobs each pickle past gRPC's default 4 MiB, which the ingress once refused with a 503
+    after the whole generation (serve_engine_client.GRPC_ANSWER_MAX_BYTES)."""
+    n, max_tokens = 24, 500
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="The sea", n=n, max_tokens=max_tokens, temperature=0, logprobs=20, extra_body={"ignore_eos": True}
+    )
+    assert len(raw.content) > 5 * 2**20  # the answer really is past the default limit
+    params = SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=20)
+    expected = offline.generate("The sea", params, use_tqdm=False)[0].outputs
+    choices = sorted(raw.parse().choices, key=lambda choice: choice.index)
+    assert [choice.text for choice in choices] == [sample.text for sample in expected]
+    assert all(len(choice.logprobs.tokens) == max_tokens for choice in choices)
+
+
 def test_24_concurrent_streams(base_url, offline):
     prompts = [f"Story number {i}: once upon a time" for i in range(24)]
 

@@ -18,6 +18,7 @@ import yaml
 from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
 from pagedserve.config import EngineConfig
 from pagedserve.cluster.app import HUB_DEPLOYMENT, INGRESS_DEPLOYMENT, SCALE_FIELDS, serve_application_config
+from pagedserve.cluster.serve_engine_client import ingress_env_vars
 from tests.helm.conftest import CHART, CI_VALUES, REPO, one, pod_templates, render, run_helm, serve_config
 
 CRD = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
@@ -103,8 +104,12 @@ def test_serve_config_is_the_server_values(rendered, name):
     # override (a scale edit then restarts nothing), exactly as serve_application_config puts it.
     expected = serve_application_config(ServerConfig(**values), "pagedserve")
     # Plus the ingress and the hub kept off the head (test_chart_security checks where they go).
+    # These replace the code's options, so the ingress's repeat its environment (app.py).
     frontend = {"num_cpus": 0, "resources": {"pagedserve_frontend": 1}}
-    expected["deployments"] += [{"name": name, "ray_actor_options": frontend} for name in (INGRESS_DEPLOYMENT, HUB_DEPLOYMENT)]
+    ingress = {**frontend, "runtime_env": {"env_vars": ingress_env_vars()}}
+    expected["deployments"] += [
+        {"name": INGRESS_DEPLOYMENT, "ray_actor_options": ingress}, {"name": HUB_DEPLOYMENT, "ray_actor_options": frontend}
+    ]
     assert config["applications"] == [expected]
     assert app.args == {**values, "deployment": {k: v for k, v in values["deployment"].items() if k not in SCALE_FIELDS}}
 

@@ -171,7 +171,7 @@ def test_ingress_and_hub_never_on_the_head(rendered, helm):
             assert float(group["resources"]["pagedserve_frontend"]) >= 2, (name, group["groupName"])
         overrides = {d["name"]: d for d in serve_config(service)["applications"][0]["deployments"]}
         for deployment in (INGRESS_DEPLOYMENT, HUB_DEPLOYMENT):  # the names build_app gives them
-            options = overrides[deployment]["ray_actor_options"]
+            options = {k: v for k, v in overrides[deployment]["ray_actor_options"].items() if k != "runtime_env"}
             assert options == {"num_cpus": 0, "resources": {"pagedserve_frontend": 1}}, (name, deployment)
     # With no worker group the head runs everything, and nothing asks for the resource.
     service = one(render(helm, settings={"workerGroups": []}), "RayService")

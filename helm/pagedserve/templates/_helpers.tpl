@@ -80,6 +80,13 @@ applications:
         ray_actor_options:
           num_cpus: 0
           resources: {{ printf "{%q: %s}" (include "pagedserve.frontendResource" $) (include "pagedserve.frontendDemand" $) }}
+          {{- if eq . "OpenAIIngress" }}
+          {{- /* These options replace the code's, so they repeat its environment: the ingress takes
+          answers past gRPC's default 4 MiB (serve_engine_client.ingress_env_vars). */}}
+          runtime_env:
+            env_vars:
+              RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH: "2147483647"
+          {{- end }}
       {{- end }}
       {{- end }}
 {{- end -}}
