@@ -34,7 +34,10 @@ def soak_url(serve_url, model_dirs):
 
 def test_short_soak_passes(soak_url, tmp_path):
     output = tmp_path / "soak.json"
-    argv = ["--url", soak_url, "--duration-s", "8", "--warmup-s", "0", "--sample-interval-s", "2", "--concurrency", "6"]
+    # Samples every 0.5 s: each reads gauges the replica reports once a second, and requests of 24
+    # tokens from the tiny model are short enough that four samples 2 s apart all once read an
+    # empty engine (peak KV usage 0 in a full suite run, with three preemptions meanwhile).
+    argv = ["--url", soak_url, "--duration-s", "8", "--warmup-s", "0", "--sample-interval-s", "0.5", "--concurrency", "6"]
     assert soak.main([*argv, "--max-tokens", "24", "--seed", "3", "--output", str(output)]) == 0
     summary = json.loads(output.read_text())
     assert summary["passed"] and summary["failures"] == [] and summary["errors"] == {}
