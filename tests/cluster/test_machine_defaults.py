@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.cluster.launcher import SERVER_CPU_KV_CACHE_MAX_BYTES, machine_defaults, server_cpu_kv_cache_bytes
+from pagedserve.cluster.launcher import (
+    SERVE_CONTROL_LOOP_INTERVAL_S,
+    SERVE_CONTROL_LOOP_VARIABLE,
+    SERVER_CPU_KV_CACHE_MAX_BYTES,
+    machine_defaults,
+    server_cpu_kv_cache_bytes,
+    slow_serve_control_loop,
+)
 from pagedserve.cluster.server_config import SERVER_CPU_MAX_NUM_SEQS, ServerConfig
 from pagedserve.config import EngineConfig
 
@@ -78,3 +85,12 @@ def test_a_cpu_replica_caps_its_batch_unless_told(engine, has_gpu, expected):
     config = ServerConfig(engine=engine)
     assert config.replica_engine_config(has_gpu=has_gpu).max_num_seqs == expected
     assert config.engine_config().max_num_seqs == engine.get("max_num_seqs", 256)  # offline and the driver: unchanged
+
+
+def test_serve_control_loop_slows_unless_the_environment_says_otherwise():
+    environ: dict[str, str] = {}
+    slow_serve_control_loop(environ)
+    assert float(environ[SERVE_CONTROL_LOOP_VARIABLE]) == SERVE_CONTROL_LOOP_INTERVAL_S > 0.1  # Serve's default: 0.1
+    environ = {SERVE_CONTROL_LOOP_VARIABLE: "0.2"}
+    slow_serve_control_loop(environ)
+    assert environ == {SERVE_CONTROL_LOOP_VARIABLE: "0.2"}
