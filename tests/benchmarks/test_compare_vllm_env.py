@@ -4,6 +4,8 @@ being measured."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +57,27 @@ def test_a_value_without_a_key_is_refused():
         for bad in ("LD_PRELOAD", "=1"):
             with pytest.raises(SystemExit, match=f"{flag} '{bad}': expected KEY=VALUE"):
                 compare_vllm.env_pairs([bad], flag)
+
+
+def test_each_load_point_gets_its_own_prompts_and_both_servers_the_same(tmp_path, monkeypatch):
+    """A server keeps its prefix cache from one load point to the next: a seed repeated across
+    points would find every later point's prompts already cached."""
+    seen: dict[str, list[str]] = {}
+
+    def fake_run(command, **_):
+        seeds = seen.setdefault(command[command.index("--base-url") + 1], [])
+        seeds.append(command[command.index("--seed") + 1])
+        result = {key: 1.0 for key in ("duration", "request_throughput", "output_throughput", "median_ttft_ms", "median_itl_ms")}
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(compare_vllm.subprocess, "run", fake_run)
+    for extra in (("--request-rates", "inf,4,1"), ("--max-concurrency", "1,4,16,64")):
+        seen.clear()
+        args = parsed(*extra)
+        for engine in ("pagedserve", "vllm"):
+            server = compare_vllm.Server(engine, f"http://{engine}", "m")
+            for point in compare_vllm.load_points(args):
+                compare_vllm.bench_serve(server, point, args, tmp_path)
+        ours, theirs = seen["http://pagedserve"], seen["http://vllm"]
+        assert ours == theirs and len(set(ours)) == len(ours) == len(compare_vllm.load_points(args))
