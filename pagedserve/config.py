@@ -70,8 +70,9 @@ class EngineConfig(BaseModel):
     light_step_cpu_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads for a CPU step of at most 4 tokens (decode at light load), fewer than "
-        "num_cpu_threads so that a server's other processes get a core without stalling the model's threads; "
+        description="torch threads for a light CPU step: at most 4 tokens, or decode only (one token per "
+        "request); fewer than num_cpu_threads so that a server's other processes, whose work grows with the "
+        "tokens streamed, get a core without stalling the model's threads; steps with prefill take every thread; "
         "default: the same as every other step. `pagedserve serve` sets it on a machine it has to itself.",
     )
     tensor_parallel_size: int = Field(1, ge=1)

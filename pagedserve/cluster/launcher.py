@@ -91,8 +91,9 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     (benchmarks/results/server_defaults/). Several replicas, a tensor- or pipeline-parallel engine, a
     GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
     Its KV cache gets an eighth of the machine's memory, at most 4 GiB (`server_cpu_kv_cache_bytes`).
-    Light steps (a few decode rows) leave one core to those processes (`light_step_cpu_threads`):
-    there a second model thread gains less than the stalls it suffers cost (model_runner.StepThreads).
+    Light steps (decode only, or a few tokens) leave one core to those processes, whose work grows
+    with the tokens streamed (`light_step_cpu_threads`): there a second model thread gains less than
+    the stalls it suffers cost (model_runner.StepThreads).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
     wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 19 ms against 23.7 in one
     process (the same files)."""

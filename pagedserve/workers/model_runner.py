@@ -111,7 +111,7 @@ class ModelRunner:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         inputs = self.input_batch.prepare(scheduler_output)
         if self.step_threads is not None:
-            self.step_threads.set_for(inputs.num_tokens)
+            self.step_threads.set_for(inputs.num_tokens, len(scheduler_output.num_scheduled_tokens))
         if self.cuda_graphs is not None and inputs.lora_groups is None and self.cuda_graphs.can_run(inputs.meta):
             hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
@@ -153,16 +153,23 @@ class ModelRunner:
 
 
 class StepThreads:
-    """Fewer torch threads for light CPU steps (`light_step_cpu_threads`). A decode step of a few
-    rows is mostly a read of the weights, which a second thread speeds up less than the per-token
-    work of a server's other processes (the Serve replica, ingress and proxy) slows it down when
-    they take one of its cores mid-step: the model's threads wait for each other at every op.
-    Past a few rows the second thread wins. Measured on a 2-core Zen 4, SmolLM2-135M bf16
-    under `pagedserve serve` (benchmarks/results/server_defaults/), one thread up to 4 tokens
-    against two everywhere: ITL p50 at 1 req/s 18.9-19.1 against 22.2-25.3 ms, output throughput
-    at saturation 220-235 against 239-240 tok/s. With the limit at 16 tokens saturation gave
-    212-213 tok/s, likely the last wave of a burst decoding on one thread (those runs are in git
-    history before commit 5c62dd7).
+    """Fewer torch threads for light CPU steps (`light_step_cpu_threads`): a step of at most 4
+    tokens, and a step that only decodes (one token per request, whatever the rows). In both the
+    server's other processes (the Serve replica, ingress and proxy) have work proportional to the
+    step's rows, about 1 ms of CPU per streamed token on a 2-core Zen 5. On every core they take
+    one of the model's cores mid-step, and the model's threads wait for each other at every op;
+    on one core fewer that work runs beside the step instead. A prefill needs no such streaming and
+    its products gain most from a second thread, so steps that carry prefill tokens take every
+    thread.
+
+    Measured under `pagedserve serve`, SmolLM2-135M bf16:
+    - at most 4 tokens, on a 2-core Zen 4 (benchmarks/results/server_defaults/): ITL p50 at 1 req/s
+      18.9-19.1 against 22.2-25.3 ms; a limit of 16 tokens there cost saturation throughput
+      (212-213 against 220-235 tok/s; git history before commit 5c62dd7);
+    - every decode-only step, on a 2-core Zen 5 (scratch runs against the few-token rule alone,
+      one server start each): output throughput 1.08-1.21x from 8 to 128 requests in flight and
+      1.09-1.12x at saturation, ITL p50 0.82-0.92x, and at 4 req/s 0.66x; the engine's CPU per
+      saturation burst 32 against 41 s (its two threads had spun waiting for each other).
 
     Every CPU step also checks the count on the thread that runs it: a thread takes its count
     from the process-wide setting when it first runs a parallel op, and another thread (the
@@ -179,8 +186,9 @@ class StepThreads:
     def for_device(cls, device: torch.device, light: int | None) -> StepThreads | None:
         return cls(torch.get_num_threads(), light) if device.type == "cpu" else None
 
-    def set_for(self, num_tokens: int) -> None:
-        wanted = self.light if num_tokens <= self.LIGHT_STEP_TOKENS else self.full
+    def set_for(self, num_tokens: int, num_reqs: int) -> None:
+        decode_only = num_tokens == num_reqs
+        wanted = self.light if decode_only or num_tokens <= self.LIGHT_STEP_TOKENS else self.full
         if torch.get_num_threads() != wanted:  # this thread's own count
             torch.set_num_threads(wanted)
 
