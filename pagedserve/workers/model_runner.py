@@ -166,10 +166,13 @@ class StepThreads:
     - at most 4 tokens, on a 2-core Zen 4 (benchmarks/results/server_defaults/): ITL p50 at 1 req/s
       18.9-19.1 against 22.2-25.3 ms; a limit of 16 tokens there cost saturation throughput
       (212-213 against 220-235 tok/s; git history before commit 5c62dd7);
-    - every decode-only step, on a 2-core Zen 5 (scratch runs against the few-token rule alone,
-      one server start each): output throughput 1.08-1.21x from 8 to 128 requests in flight and
-      1.09-1.12x at saturation, ITL p50 0.82-0.92x, and at 4 req/s 0.66x; the engine's CPU per
-      saturation burst 32 against 41 s (its two threads had spun waiting for each other).
+    - every decode-only step, on a 2-core Zen 5 (benchmarks/results/decode_threads_zen5/, and
+      scratch saturation bursts in docs/benchmarks.md): 1.09-1.12x the output throughput and
+      0.86-0.96x the ITL p50 at 16 requests in flight, level to 1.09x at 128; saturation bursts
+      497-534 against 448-458 tok/s, ITL p50 134-151 against 161-173 ms, and the engine's CPU per
+      burst 32 against 41 s (its two threads had spent the rest waiting for each other).
+      Not measured on a Zen 4, where the 16-token limit above (which ran decodes of 5-16 rows on
+      one thread too) had cost throughput.
 
     Every CPU step also checks the count on the thread that runs it: a thread takes its count
     from the process-wide setting when it first runs a parallel op, and another thread (the
