@@ -194,8 +194,8 @@ def point_seed(point: str, args: argparse.Namespace) -> int:
     """The client's seed at a load point: its place in the run, the same for both servers. Each
     server keeps its prefix cache from one point to the next, and one seed everywhere gives the
     same prompts at every point, so every point after the first would find its prompts' prefill
-    cached. Results measured before the seed moved with the point (benchmarks/results/README.md
-    says which) ran 4 and 1 req/s after saturation, and each concurrency level after the first, so."""
+    cached. Results measured before the seed moved with the point ran their later points so
+    (benchmarks/results/README.md says which)."""
     return load_points(args).index(point)
 
 

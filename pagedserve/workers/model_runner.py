@@ -154,18 +154,19 @@ class ModelRunner:
 
 class StepThreads:
     """Fewer torch threads for light CPU steps (`light_step_cpu_threads`): a step of at most 4
-    tokens, and a step that only decodes (one token per request, whatever the rows). In both the
+    tokens, and a step that only decodes (one token per request, whatever the rows). In both, the
     server's other processes (the Serve replica, ingress and proxy) have work proportional to the
-    step's rows, about 1 ms of CPU per streamed token on a 2-core Zen 5. On every core they take
-    one of the model's cores mid-step, and the model's threads wait for each other at every op;
-    on one core fewer that work runs beside the step instead. A prefill needs no such streaming and
+    step's rows, about 1 ms of CPU per streamed token on a 2-core Zen 5. With the model on every
+    core they take one of its cores mid-step, and the model's threads wait for each other at every
+    op; with the model on one core fewer that work runs beside the step instead. A prefill needs no such streaming and
     its products gain most from a second thread, so steps that carry prefill tokens take every
     thread.
 
     Measured under `pagedserve serve`, SmolLM2-135M bf16:
     - at most 4 tokens, on a 2-core Zen 4 (benchmarks/results/server_defaults/): ITL p50 at 1 req/s
-      18.9-19.1 against 22.2-25.3 ms; a limit of 16 tokens there cost saturation throughput
-      (212-213 against 220-235 tok/s; git history before commit 5c62dd7);
+      18.9-19.1 against 22.2-25.3 ms, saturation throughput 220-235 against 239-240 tok/s with
+      two threads everywhere; a limit of 16 tokens there cost saturation throughput (212-213
+      tok/s; git history before commit 5c62dd7);
     - every decode-only step, on a 2-core Zen 5 (benchmarks/results/decode_threads_zen5/, and
       scratch saturation bursts in docs/benchmarks.md): 1.09-1.12x the output throughput and
       0.86-0.96x the ITL p50 at 16 requests in flight, level to 1.09x at 128; saturation bursts
