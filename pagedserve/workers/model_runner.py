@@ -158,9 +158,9 @@ class StepThreads:
     server's other processes (the Serve replica, ingress and proxy) have work proportional to the
     step's rows, about 1 ms of CPU per streamed token on a 2-core Zen 5. With the model on every
     core they take one of its cores mid-step, and the model's threads wait for each other at every
-    op; with the model on one core fewer that work runs beside the step instead. A prefill needs no such streaming and
-    its products gain most from a second thread, so steps that carry prefill tokens take every
-    thread.
+    op; with the model on one core fewer that work runs beside the step instead. A prefill needs
+    no such streaming and its products gain most from a second thread, so steps that carry
+    prefill tokens take every thread.
 
     Measured under `pagedserve serve`, SmolLM2-135M bf16:
     - at most 4 tokens, on a 2-core Zen 4 (benchmarks/results/server_defaults/): ITL p50 at 1 req/s
