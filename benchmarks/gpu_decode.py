@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-len", type=int, default=512, help="KV tokens per sequence during decode")
     parser.add_argument("--decode-steps", type=int, default=50, help="timed decode steps per batch size")
     parser.add_argument("--backends", default="triton,triton-eager,torch",
-                        help="comma list of triton (CUDA graphs), triton-eager, torch, flash_attn")
+                        help="comma list of triton (CUDA graphs), triton-eager, torch, flash_attn; the suffix "
+                             "-unfused keeps the layers' torch ops where CUDA has fused kernels (kernels/cuda_layers)")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -65,12 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-gbs", type=float, help="HBM bandwidth; default: looked up by device name")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, this many more under cProfile: where a step's host time goes")
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU, to check the script")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.batch_sizes, args.context_len, args.decode_steps = [1, 4], 24, 3
         args.backends, args.num_prompts, args.input_len, args.output_len, args.hf_batch_size = "torch", 4, 16, 4, 2
+        args.profile_steps = min(args.profile_steps, 2)
     return args
 
 
@@ -98,6 +102,7 @@ def build_checkpoint(shape: dict, max_positions: int, folder: Path) -> Path:
 
 
 def engine_kwargs(backend: str, args: argparse.Namespace) -> dict:
+    backend = backend.removesuffix("-unfused")
     kwargs = {"attention_backend": backend.removesuffix("-eager"), "enforce_eager": backend.endswith("-eager")}
     if backend == "flash_attn":
         kwargs["block_size"] = 256  # flash-attn's smallest paged block
@@ -110,9 +115,22 @@ def engine_kwargs(backend: str, args: argparse.Namespace) -> dict:
 
 
 def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: dict) -> list[dict]:
+    if not backend.endswith("-unfused"):
+        return _measure_decode(folder, backend, args, info)
+    from pagedserve.kernels import cuda_layers
+
+    fused = cuda_layers.can_fuse
+    cuda_layers.can_fuse = lambda x: False  # the layers' torch ops, as before the fused kernels
+    try:
+        return _measure_decode(folder, backend, args, info)
+    finally:
+        cuda_layers.can_fuse = fused
+
+
+def _measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: dict) -> list[dict]:
     from pagedserve import LLM, SamplingParams
 
-    max_len = args.context_len + args.decode_steps + 8
+    max_len = args.context_len + args.decode_steps + args.profile_steps + 8
     llm = LLM(str(folder), max_num_seqs=max(args.batch_sizes), max_model_len=max_len,
               max_num_batched_tokens=max(8192, max_len), **engine_kwargs(backend, args))
     engine, rows = llm.llm_engine, []
@@ -121,7 +139,8 @@ def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: d
     kv_bytes_per_token = runner.kv_cache_bytes_per_block() // engine.config.block_size  # all layers
     try:
         for batch in args.batch_sizes:
-            params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 2, ignore_eos=True)
+            steps = args.decode_steps + args.profile_steps
+            params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
             rng = random.Random(batch)
             for i in range(batch):
                 prompt = [rng.randint(10, 500) for _ in range(args.context_len)]
@@ -129,15 +148,37 @@ def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: d
             while engine.engine_core.engine_core.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.engine_core.engine_core.scheduler.running):
                 engine.step()  # prefill every sequence first: the figure is for steady decoding
             times = [_timed(engine.step) for _ in range(args.decode_steps)]
+            profile = _host_profile(engine.step, args.profile_steps) if args.profile_steps else None
             while engine.has_unfinished_requests():
                 engine.step()
             step_ms = statistics.median(times) * 1e3
             # Each step reads every sequence's whole context; it grows by one token per step.
             kv_bytes = batch * (args.context_len + args.decode_steps // 2) * kv_bytes_per_token
             rows.append(_roofline_row(backend, batch, step_ms, weight_bytes, kv_bytes, info["bandwidth_gbs"]))
+            if profile:
+                rows[-1]["host_profile"] = profile
     finally:
         llm.shutdown()
     return rows
+
+
+def _host_profile(step, steps: int, top: int = 25) -> dict:
+    """The functions under `steps` engine steps, by cumulative and by own time, in ms per step
+    (cProfile's overhead included). A call that waits for the GPU (the sampled tokens' copy back)
+    shows the device time the host could not hide."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    _sync()
+    profiler.runcall(lambda: [step() for _ in range(steps)])
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": round(nc / steps, 1),
+             "cum_ms": round(cum / steps * 1e3, 3), "self_ms": round(tot / steps * 1e3, 3)}
+            for (file, line, name), (_, nc, tot, cum, _) in stats.items()
+            if Path(file).name != Path(__file__).name]  # the lambda above, not the engine
+    return {"steps": steps, "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:top],
+            "by_self": sorted(rows, key=lambda r: -r["self_ms"])[:top]}
 
 
 def _timed(fn) -> float:

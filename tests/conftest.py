@@ -31,6 +31,21 @@ def pytest_sessionstart(session):
     from pagedserve.kernels import native_build
 
     native_build.load()
+    if torch.cuda.is_available():
+        _engines_share_the_gpu()
+
+
+# A module's fixture engine lives while its tests start more engines in the same process. At
+# vLLM's default share (0.9 of the GPU, which must be free at start) the second would be refused.
+TEST_GPU_SHARE = 0.05
+
+
+def _engines_share_the_gpu() -> None:
+    """Every engine a test starts without naming a share takes TEST_GPU_SHARE of the GPU."""
+    from pagedserve.config import EngineConfig
+
+    EngineConfig.model_fields["gpu_memory_utilization"].default = TEST_GPU_SHARE
+    EngineConfig.model_rebuild(force=True)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ class Worker:
         self.device = torch.device(model_config.device)
         self.runner: ModelRunner | None = None
         self._free_memory_at_start = 0  # CUDA: bytes free once this process's context exists
+        # CUDA: (allocated, reserved) bytes torch held then: other engines in this process
+        self._torch_memory_at_start = (0, 0)
 
     # ---- placement helpers (called by the Ray executor before init_device) -------------------
 
@@ -60,6 +62,7 @@ class Worker:
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             self._free_memory_at_start = torch.cuda.mem_get_info()[0]  # before any weight loads
+            self._torch_memory_at_start = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         self.runner = ModelRunner(self.engine_config, self.model_config, self.parallel, self.device)
 
     def load_model(self) -> None:
@@ -114,7 +117,8 @@ class Worker:
         the GPU's total memory, whatever other processes use (several engines can share a GPU at
         0.45 each); that share must be free at start. The cache gets the share less the weights,
         the activation peak of the largest step, and what this process holds outside torch's
-        allocator (cuBLAS and NCCL workspaces, compiled kernels)."""
+        allocator (cuBLAS and NCCL workspaces, compiled kernels). torch's counters are per process,
+        so what other engines in this process held at start is taken off them."""
         utilization = self.engine_config.gpu_memory_utilization
         total = torch.cuda.mem_get_info()[1]
         requested = int(total * utilization)
@@ -128,9 +132,10 @@ class Worker:
         budget_tokens = self.engine_config.token_budget(self.model_config.max_model_len)
         self.runner.profile_run(budget_tokens)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()  # weights + activations of the largest step
+        held_allocated, held_reserved = self._torch_memory_at_start
+        peak = torch.cuda.max_memory_allocated() - held_allocated  # weights + the largest step's activations
         free = torch.cuda.mem_get_info()[0]
-        outside_torch = max(self._free_memory_at_start - free - torch.cuda.memory_reserved(), 0)
+        outside_torch = max(self._free_memory_at_start - free - (torch.cuda.memory_reserved() - held_reserved), 0)
         available = requested - peak - outside_torch
         if available <= 0:
             raise RuntimeError(

@@ -42,9 +42,9 @@ CONFIGS = {
     "max_num_seqs_2": ({"max_num_seqs": 2}, PROMPTS),
     "block_size_8_no_chunking": ({"block_size": 8, "enable_chunked_prefill": False}, PROMPTS),
     # auto's fallbacks where the native kernel cannot be built: the reference and the pure-torch
-    # fast path, each with prefill in chunks.
+    # fast path, each with prefill in chunks. The fast path is the CPU's, on a GPU machine too.
     "torch_backend_chunked": ({"attention_backend": "torch", "max_num_batched_tokens": 16}, PROMPTS),
-    "cpu_backend_chunked": ({"attention_backend": "cpu", "max_num_batched_tokens": 16}, PROMPTS),
+    "cpu_backend_chunked": ({"attention_backend": "cpu", "max_num_batched_tokens": 16, "device": "cpu"}, PROMPTS),
 }
 
 

@@ -12,7 +12,8 @@ from pagedserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(model_dirs):
-    engine = LLM(str(model_dirs["llama"]), max_model_len=128)
+    # float32 on a GPU too (its default is bf16): logprobs are compared with HF's float32 ones
+    engine = LLM(str(model_dirs["llama"]), max_model_len=128, dtype="float32")
     yield engine
     engine.shutdown()
 

@@ -15,7 +15,7 @@ from triton.compiler import ASTSource
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real JIT functions"
 
-from pagedserve.kernels import triton_attention, triton_cache  # noqa: E402
+from pagedserve.kernels import triton_attention, triton_cache, triton_layers  # noqa: E402
 
 # (dtype, head_dim, group, block_m, num_splits, block_size, sm): decode with splits, prefill
 # tiles, float32 (IEEE dots), a non-power-of-two head and group.
@@ -56,6 +56,19 @@ def main() -> None:
     write_types = {name: "*bf16" for name in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i64"}
     compile_kernel(triton_cache._write_kv_kernel, write_types, dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 90)
     print("compiled cache write")
+    compile_layers()
+
+
+def compile_layers() -> None:
+    """The fused layers, in each dtype and at Llama-3.2-1B's and SmolLM2's sizes."""
+    for dtype, sm in (("bf16", 90), ("fp32", 80), ("fp16", 80)):
+        norm_types = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "eps": "fp32"}
+        compile_kernel(triton_layers._rms_norm_kernel, norm_types, dict(BLOCK=2048), sm)
+        rotary_types = {"x_ptr": f"*{dtype}", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": f"*{dtype}"}
+        compile_kernel(triton_layers._rotary_kernel, rotary_types, dict(HALF=32, BLOCK_H=32, BLOCK_HALF=32), sm)
+        silu_types = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+        compile_kernel(triton_layers._silu_and_mul_kernel, silu_types, dict(BLOCK=1024), sm)
+        print("compiled fused layers", dtype)
 
 
 if __name__ == "__main__":

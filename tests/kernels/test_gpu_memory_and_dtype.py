@@ -22,16 +22,17 @@ GiB = 2**30
 
 class FakeGPU:
     """torch.cuda's memory queries for a GPU of `total` bytes: other processes hold `others`,
-    this process's CUDA context `context`; a profile run allocates `peak` and `outside_torch`."""
+    this process's CUDA context `context`, and an engine started earlier in this process `held`
+    (allocated and reserved through torch); a profile run allocates `peak` and `outside_torch`."""
 
-    def __init__(self, monkeypatch, total, others, context, peak, outside_torch):
-        self.total, self.used = total, others + context
+    def __init__(self, monkeypatch, total, others, context, peak, outside_torch, held=0):
+        self.total, self.used, self.held = total, others + context + held, held
         self.peak, self.outside_torch, self.reserved = peak, outside_torch, 0
         for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
             monkeypatch.setattr(torch.cuda, name, lambda *args: None)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (self.total - self.used, self.total))
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: self.peak)
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: self.reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: self.held + self.peak)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: self.held + self.reserved)
 
     def profile_run(self, num_tokens):
         self.reserved = self.peak + GiB // 2  # the caching allocator keeps more than the peak
@@ -43,6 +44,7 @@ def sized_worker(monkeypatch, utilization, **gpu) -> Worker:
     worker = Worker(config, SimpleNamespace(device="cpu", max_model_len=2048))
     fake = FakeGPU(monkeypatch, **gpu)
     worker._free_memory_at_start = fake.total - fake.used  # what init_device measures
+    worker._torch_memory_at_start = (fake.held, fake.held)
     worker.runner = SimpleNamespace(profile_run=fake.profile_run)
     return worker
 
@@ -56,6 +58,14 @@ def test_other_processes_do_not_shrink_the_share(monkeypatch):
     """Two engines at 0.45 share a GPU: the second still gets its 0.45."""
     worker = sized_worker(monkeypatch, 0.45, total=80 * GiB, others=36 * GiB, context=GiB // 2, peak=4 * GiB, outside_torch=0)
     assert worker._profile_free_memory() == int(80 * GiB * 0.45) - 4 * GiB
+
+
+def test_an_engine_beside_another_in_this_process_gets_its_share(monkeypatch):
+    """torch's peak and reserved counters include what an earlier engine in this process holds
+    (found on an H200: a second LLM in one process counted the first's KV cache as its own)."""
+    worker = sized_worker(monkeypatch, 0.1, total=80 * GiB, others=0, context=GiB // 2, peak=2 * GiB,
+                          outside_torch=GiB, held=30 * GiB)
+    assert worker._profile_free_memory() == int(80 * GiB * 0.1) - 2 * GiB - GiB
 
 
 def test_share_not_free_at_start_is_an_error(monkeypatch):

@@ -143,7 +143,8 @@ def test_the_reader_thread_runs_torch_on_one_thread(model_dirs, lora_adapters):
     small op of the step thread 10-20x while it lived (measured on 2 cores: an index_add_ of 2
     rows took 8 us before the first adapter read and 190-250 us after), which is all of a LoRA
     step's products. The reader keeps one thread; the step thread keeps its own count."""
-    llm = LLM(str(model_dirs["llama"]), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32", num_cpu_threads=2)
+    llm = LLM(str(model_dirs["llama"]), max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32",
+              num_cpu_threads=2, device="cpu")
     try:
         manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
         manager.prefetch([lora_request(lora_adapters["llama"], "all8")])

@@ -98,7 +98,8 @@ def test_a_removed_adapter_leaves_its_slot_and_host_memory(tiered_engine, lora_a
 
 def test_the_cpu_keeps_every_adapter_attached_by_default(monkeypatch, model_dirs):
     """On the CPU the layers read host memory: no second copy, every held adapter attached."""
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=3)
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=3,
+              device="cpu")
     try:
         manager = llm.llm_engine.engine_core.engine_core.executor.worker.runner.lora_manager
         assert not manager.tiered and (manager.slots, manager.host_capacity) == (3, 0)

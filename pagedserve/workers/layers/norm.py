@@ -1,12 +1,13 @@
 """RMSNorm computed exactly as Hugging Face does (in float32, cast back before the weight); in
-half precision on the CPU, the same rounding in one fused pass (kernels/cpu_native)."""
+half precision on the CPU, the same rounding in one fused pass (kernels/cpu_native), and on CUDA
+in one Triton kernel (kernels/cuda_layers)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cuda_layers
 from pagedserve.workers.layers.linear import default_weight_loader, new_parameter
 
 
@@ -19,6 +20,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_native.can_fuse(x):  # one pass instead of six ops (bf16/fp16 on the CPU)
             return cpu_native.rms_norm(x, self.weight, self.eps)
+        if cuda_layers.can_fuse(x):  # one kernel instead of seven
+            return cuda_layers.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -2,7 +2,8 @@
 
 The inverse frequencies and the cos/sin values are computed with the same float32 operations as
 Hugging Face transformers, so positions embed bit-for-bit alike. In half precision on the CPU the
-rotation itself is one fused pass (kernels/cpu_native), rounding once instead of after each op.
+rotation itself is one fused pass (kernels/cpu_native), rounding once instead of after each op; on
+CUDA one Triton kernel (kernels/cuda_layers) that rounds after each op, as torch does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cuda_layers
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -70,6 +71,8 @@ class RotaryEmbedding(nn.Module):
         """query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim]."""
         if cpu_native.can_fuse(query) and query.stride(2) == 1 and key.stride(2) == 1:  # bf16/fp16 on the CPU: one pass each
             return cpu_native.rotary(query, positions, self.cos, self.sin), cpu_native.rotary(key, positions, self.cos, self.sin)
+        if cuda_layers.can_fuse(query) and query.stride(2) == 1 and key.stride(2) == 1:  # one kernel each
+            return cuda_layers.rotary(query, positions, self.cos, self.sin), cuda_layers.rotary(key, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(query.dtype)
         sin = self.sin[positions].unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
