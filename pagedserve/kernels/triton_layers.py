@@ -6,8 +6,10 @@ Llama-3.2-1B's shapes at batch 1 took 2.46 ms under CUDA graphs against a 0.52 m
 and the host waited 1.96 ms of it on the GPU (benchmarks/gpu_decode.py's host profile), so the
 GPU, busy with those small kernels, set the pace.
 
-Each kernel rounds where torch rounds: the same function as the layer's torch path (Hugging
-Face's), to within the order of a float32 sum. The layers reach these through `cuda_layers`,
+RMSNorm and SiLU-and-mul round where torch rounds (Hugging Face's order), so they agree with the
+torch path to within the order of a float32 sum. The rotation is done in float32 from the float32
+cos/sin tables and rounded once, as the CPU's fused kernel does (csrc/cpu_layers.cpp; torch rounds
+the tables and each product first): within a rounding of the dtype. The layers reach these through `cuda_layers`,
 which needs no triton to import. Set TRITON_INTERPRET=1 before this module is imported to run it
 on CPU tensors (tests).
 """
@@ -61,16 +63,13 @@ def _rotary_kernel(
     first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]
     x1 = tl.load(first, mask=ok, other=0.0)
     x2 = tl.load(first + HALF, mask=ok, other=0.0)
-    # The float32 tables rounded to x's dtype, and every product and sum rounded, as in torch.
-    dtype = x1.dtype
-    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=dim_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=dim_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
+    # In float32 from the float32 tables, rounded once at the store.
+    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=dim_ok, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=dim_ok, other=0.0)[None, :]
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = (a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)
-    out2 = (b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)
     dest = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(dest, out1.to(dtype), mask=ok)
-    tl.store(dest + HALF, out2.to(dtype), mask=ok)
+    tl.store(dest, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(dest + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

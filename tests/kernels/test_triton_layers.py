@@ -1,7 +1,8 @@
-"""The CUDA path's fused layers (kernels/triton_layers) against the same layers' torch path, the
-reference for Hugging Face's roundings: RMSNorm, the rotary embedding and SiLU-and-mul, in every
-float dtype, on random inputs and on strided views like the ones the model passes. Without CUDA
-they run in Triton's interpreter (tests/kernels/conftest.py)."""
+"""The CUDA path's fused layers (kernels/triton_layers), in every float dtype, on random inputs
+and on strided views like the ones the model passes: RMSNorm and SiLU-and-mul against the same
+layers' torch path (Hugging Face's roundings), the rotation against float32 rounded once (the
+CPU's fused kernel's contract). Without CUDA they run in Triton's interpreter
+(tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pagedserve.kernels.triton_attention import IS_INTERPRETED  # noqa: E402
 from pagedserve.workers.layers.activation import SiluAndMul  # noqa: E402
 from pagedserve.workers.layers.norm import RMSNorm  # noqa: E402
 from pagedserve.workers.layers.rotary import RotaryEmbedding  # noqa: E402
+from pagedserve.workers.layers.rotary import _rotate  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
+from tests.kernels.paged_batch import assert_rounded  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -61,7 +64,9 @@ def test_rms_norm(torch_path, dtype, rows, hidden):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (9, 3, 128), (5, 1, 48)])
 def test_rotary_on_views_of_the_qkv_projection(torch_path, dtype, heads, kv_heads, head_dim):
-    """q and k as the attention layer slices them out of one qkv row: strided token rows."""
+    """q and k as the attention layer slices them out of one qkv row: strided token rows. On the
+    GPU (found on an H200) the torch path's three roundings per value are not what a kernel's
+    casts reliably give, so the kernel rounds once and is held to that."""
     gen = torch.Generator().manual_seed(heads * head_dim)
     rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
     tokens = 11
@@ -70,10 +75,19 @@ def test_rotary_on_views_of_the_qkv_projection(torch_path, dtype, heads, kv_head
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
     before = qkv.clone()
-    expected_q, expected_k = rope(positions, q, k)
-    assert_same_roundings(triton_layers.rotary(q, positions, rope.cos, rope.sin), expected_q)
-    assert_same_roundings(triton_layers.rotary(k, positions, rope.cos, rope.sin), expected_k)
-    assert torch.equal(qkv, before)  # a new tensor: the projection's output is left alone
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    for x in (q, k):
+        ours = triton_layers.rotary(x, positions, rope.cos, rope.sin)
+        expected = _rotate(x.float(), cos, sin)
+        assert ours.dtype == dtype and ours.shape == x.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, expected, rtol=0, atol=4e-6)  # an FMA moves a product's rounding
+        else:  # the interpreter's bfloat16 casts truncate: up to a whole ulp
+            assert_rounded(ours, expected, dtype, roundings=2 if IS_INTERPRETED and dtype == torch.bfloat16 else 1)
+        # The torch layer (three roundings) is within three roundings of the values' scale of it.
+        scale = x.float().abs().max().item()
+        torch.testing.assert_close(ours.float(), rope(positions, x, x)[0].float(), rtol=0, atol=3 * torch.finfo(dtype).eps * scale)
+    assert torch.equal(qkv, before)  # new tensors: the projection's output is left alone
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

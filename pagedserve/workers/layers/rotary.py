@@ -3,7 +3,7 @@
 The inverse frequencies and the cos/sin values are computed with the same float32 operations as
 Hugging Face transformers, so positions embed bit-for-bit alike. In half precision on the CPU the
 rotation itself is one fused pass (kernels/cpu_native), rounding once instead of after each op; on
-CUDA one Triton kernel (kernels/cuda_layers) that rounds after each op, as torch does.
+CUDA one Triton kernel (kernels/cuda_layers) that rounds the same way, in every dtype.
 """
 
 from __future__ import annotations
