@@ -15,8 +15,13 @@
 #          time goes, offline against HF)
 # The native CPU kernels are not built (PAGEDSERVE_NATIVE_KERNELS=0): nothing here runs them.
 #
-# Packages the machine lacks (pydantic, the grammar engines, jsonschema) travel as wheels in
-# .whl/ (docs/benchmarks.md says which); they are installed under /tmp/site first.
+# Packages a GPU image may lack travel as wheels in .whl/ (git-ignored) and are installed under
+# /tmp/site first. For a Python 3.12 image without them, fetched where pip works:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+#       -d .whl pydantic pydantic_core annotated_types typing_inspection typing_extensions \
+#       xgrammar apache-tvm-ffi llguidance jsonschema jsonschema_specifications referencing rpds_py
+# (pin each to the version the venv has: `pip list`).
 set -u
 OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-gpu wide bench}
@@ -48,8 +53,8 @@ WIDE_TESTS=(
 
 for part in $PARTS; do
     case $part in
-        gpu) run_tests gpu "${GPU_TESTS_S:-100}" -m gpu tests/kernels tests/workers/test_cuda_graphs.py ;;
-        wide) run_tests wide "${WIDE_TESTS_S:-160}" -m "not gpu" -k "not ray and not native" "${WIDE_TESTS[@]}" ;;
+        gpu) run_tests gpu "${GPU_TESTS_S:-180}" -m gpu tests/kernels tests/workers/test_cuda_graphs.py ;;
+        wide) run_tests wide "${WIDE_TESTS_S:-260}" -m "not gpu" -k "not ray and not native" "${WIDE_TESTS[@]}" ;;
         bench) timeout "${BENCH_S:-150}" $PY benchmarks/gpu_decode.py --backends triton,triton-unfused,triton-eager --decode-steps 30 \
                    --profile-steps 20 --output "$OUT/gpu_decode.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
         *) echo "unknown part $part (gpu, wide, bench)"; exit 2 ;;
