@@ -9,9 +9,9 @@ GPU, busy with those small kernels, set the pace.
 RMSNorm and SiLU-and-mul round where torch rounds (Hugging Face's order), so they agree with the
 torch path to within the order of a float32 sum. The rotation is done in float32 from the float32
 cos/sin tables and rounded once, as the CPU's fused kernel does (csrc/cpu_layers.cpp; torch rounds
-the tables and each product first): within a rounding of the dtype. The layers reach these through `cuda_layers`,
-which needs no triton to import. Set TRITON_INTERPRET=1 before this module is imported to run it
-on CPU tensors (tests).
+the tables and each product first): within a rounding of the dtype. The layers reach these
+through `cuda_layers`, which needs no triton to import. Set TRITON_INTERPRET=1 before this module
+is imported to run it on CPU tensors (tests).
 """
 
 from __future__ import annotations
