@@ -15,6 +15,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int, taken: set[int]) -> list[int]:
+    """`count` free ports, distinct from each other and from `taken` (ports handed out earlier
+    that their process may not have bound yet), which gains them. Calling free_port() once per
+    port can give one number twice: each socket closes before the next binds (seen: a Ray head
+    told to put its GCS and its dashboard agent on one port)."""
+    sockets, ports = [], []
+    try:
+        while len(ports) < count:
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in taken:
+                ports.append(port)
+                taken.add(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
 def metric_per_replica(base_url: str, name: str, model: str | None = None) -> dict[str, float]:
     """A sample's value in /metrics for each replica (its `replica` label), of `model` if named.
     The hub hears from each replica every second."""

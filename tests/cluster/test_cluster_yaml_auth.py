@@ -23,8 +23,7 @@ import pytest
 import requests
 import yaml
 
-from tests.cluster.conftest import free_port
-from tests.helm.operator import HEAD_PORT_FLAGS, NODE_PORT_FLAGS, PlayedCluster, wait_for
+from tests.helm.operator import PlayedCluster, wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cluster-local.yaml"
 BIN = str(Path(sys.executable).parent)
@@ -53,7 +52,7 @@ def as_test_node(segment: str, cluster: PlayedCluster, is_head: bool, gcs_addres
     words = [w for w in shlex.split(segment) if not w.startswith(DROPPED)]
     if not is_head:
         words = [f"--address={gcs_address}" if w.startswith("--address=") else w for w in words]
-    ports = {flag: free_port() for flag in NODE_PORT_FLAGS + (HEAD_PORT_FLAGS if is_head else ())}
+    ports = cluster.node_ports(is_head)
     words += ["--block", f"--temp-dir={cluster.temp_dir}", "--num-cpus=1", *(f"--{f}={p}" for f, p in ports.items())]
     return shlex.join(words), ports
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from tests.cluster.conftest import free_port, wait_until
+from tests.cluster.conftest import free_ports, wait_until
 
 RAY = str(Path(sys.executable).parent / "ray")
 # Ports a node listens on besides the head's own: each gets a free one.
@@ -90,6 +90,12 @@ class PlayedCluster:
     dashboard_url: str = ""
     agent_ports: list[int] = field(default_factory=list)  # each node's dashboard agent (raylet health)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    ports_given: set[int] = field(default_factory=set)  # to every node so far: each port once
+
+    def node_ports(self, is_head: bool) -> dict[str, int]:
+        """A free port for each of a node's port flags, none given to this cluster before."""
+        flags = NODE_PORT_FLAGS + (HEAD_PORT_FLAGS if is_head else ())
+        return dict(zip(flags, free_ports(len(flags), self.ports_given)))
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -101,7 +107,7 @@ class PlayedCluster:
         params = dict(ray_start_params)
         if not is_head:
             params.setdefault("num-cpus", cpu_limit(container))
-        ports = {flag: free_port() for flag in NODE_PORT_FLAGS + (HEAD_PORT_FLAGS if is_head else ())}
+        ports = self.node_ports(is_head)
         params.update({flag: str(port) for flag, port in ports.items()})
         args = [RAY, "start", "--block", f"--temp-dir={self.temp_dir}"]
         args += ["--head"] if is_head else [f"--address={self.gcs_address}"]

@@ -149,3 +149,11 @@ def test_dashboard_queries_only_exported_metrics(played):
     queried = {name for expr in expressions for name in re.findall(r"pagedserve:[a-z0-9_]+", expr)}
     assert len(queried) >= 13, queried  # every panel family: gauges, counters, four histograms
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
+
+
+def test_every_port_a_played_cluster_gives_out_is_its_own():
+    """Ports found one at a time could repeat (a head once got one port for its GCS and its
+    dashboard agent, and never came up): across a head and two workers, none repeats."""
+    cluster = PlayedCluster(temp_dir="unused", auth_mode="disabled", auth_token="")
+    given = [port for is_head in (True, False, False) for port in cluster.node_ports(is_head).values()]
+    assert len(given) == len(set(given)) == len(cluster.ports_given)
