@@ -20,6 +20,7 @@ a GPU, `--dry-run` runs every part at toy sizes on the CPU (torch backend), to c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import random
 import statistics
@@ -27,6 +28,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -115,16 +117,12 @@ def engine_kwargs(backend: str, args: argparse.Namespace) -> dict:
 
 
 def measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: dict) -> list[dict]:
-    if not backend.endswith("-unfused"):
-        return _measure_decode(folder, backend, args, info)
     from pagedserve.kernels import cuda_layers
 
-    fused = cuda_layers.can_fuse
-    cuda_layers.can_fuse = lambda x: False  # the layers' torch ops, as before the fused kernels
-    try:
+    # -unfused: the layers' torch ops, as before the fused kernels
+    unfused = mock.patch.object(cuda_layers, "can_fuse", lambda x: False)
+    with unfused if backend.endswith("-unfused") else contextlib.nullcontext():
         return _measure_decode(folder, backend, args, info)
-    finally:
-        cuda_layers.can_fuse = fused
 
 
 def _measure_decode(folder: Path, backend: str, args: argparse.Namespace, info: dict) -> list[dict]:

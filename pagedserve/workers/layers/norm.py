@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native, cuda_layers
+from pagedserve.workers.layers.fused import fused_kernels
 from pagedserve.workers.layers.linear import default_weight_loader, new_parameter
 
 
@@ -18,10 +18,9 @@ class RMSNorm(nn.Module):
         self.weight = new_parameter(hidden_size, loader=default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_native.can_fuse(x):  # one pass instead of six ops (bf16/fp16 on the CPU)
-            return cpu_native.rms_norm(x, self.weight, self.eps)
-        if cuda_layers.can_fuse(x):  # one kernel instead of seven
-            return cuda_layers.rms_norm(x, self.weight, self.eps)
+        kernels = fused_kernels(x)
+        if kernels is not None:  # one pass instead of seven ops
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

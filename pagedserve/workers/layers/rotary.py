@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_native, cuda_layers
+from pagedserve.workers.layers.fused import fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -69,10 +69,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim]."""
-        if cpu_native.can_fuse(query) and query.stride(2) == 1 and key.stride(2) == 1:  # bf16/fp16 on the CPU: one pass each
-            return cpu_native.rotary(query, positions, self.cos, self.sin), cpu_native.rotary(key, positions, self.cos, self.sin)
-        if cuda_layers.can_fuse(query) and query.stride(2) == 1 and key.stride(2) == 1:  # one kernel each
-            return cuda_layers.rotary(query, positions, self.cos, self.sin), cuda_layers.rotary(key, positions, self.cos, self.sin)
+        kernels = fused_kernels(query)
+        if kernels is not None and query.stride(2) == 1 and key.stride(2) == 1:  # one pass each
+            return kernels.rotary(query, positions, self.cos, self.sin), kernels.rotary(key, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(query.dtype)
         sin = self.sin[positions].unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
