@@ -11,9 +11,10 @@ replica itself.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from pagedserve.cluster.server_config import DeploymentConfig, ServerConfig
+from pagedserve.cluster.server_config import SERVE_DIRECT_INGRESS_VARIABLE, DeploymentConfig, ServerConfig
 
 # Streams hold an ingress slot for their whole life; Serve's default (5) would queue requests at
 # the ingress long before the engine is busy. Admission control is the LLMServer's job.
@@ -48,6 +49,11 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     from pagedserve.cluster.serve_engine_client import ingress_env_vars
 
     config = args if isinstance(args, ServerConfig) else ServerConfig.load(overrides=args or {})
+    if config.http_ingress == "direct" and os.environ.get(SERVE_DIRECT_INGRESS_VARIABLE) != "1":
+        raise ValueError(
+            f"http_ingress 'direct' needs Serve's direct ingress ({SERVE_DIRECT_INGRESS_VARIABLE}=1 in every Ray process's "
+            "environment), which `pagedserve serve` sets up on a Ray cluster it starts; this cluster lacks it: use 'auto' or 'proxy'"
+        )
     api_key = config.resolve_api_key()  # before anything starts: a missing key file stops us here
     # The key itself never goes into a deployment's arguments (which Serve records and shows).
     config = config.model_copy(update={"api_key": None, "api_key_file": None})

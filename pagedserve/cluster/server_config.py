@@ -164,6 +164,11 @@ def parse_lora_module(text: str, lora_int_id: int) -> LoRARequest:
     return LoRARequest(name, lora_int_id, path)
 
 
+# Serve's switch for direct ingress (the ingress replica answers HTTP itself), read from each Ray
+# process's environment when it starts (cluster/launcher.py sets it for a cluster it starts).
+SERVE_DIRECT_INGRESS_VARIABLE = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
 class ServerConfig(BaseModel):
     """`pagedserve serve`: the YAML file's keys and the command's flags. Engine arguments go
     under `engine:` (flags keep their names: --max-model-len sets engine.max_model_len)."""
@@ -208,6 +213,12 @@ class ServerConfig(BaseModel):
         "grpc",
         description="How the ingress reaches the LLMServer replicas: 'grpc' (Serve's gRPC transport; calls whose arguments "
         "pickle past 1 MiB go as 'actor' calls) or 'actor' (Ray's actor calls and object store).",
+    )
+    http_ingress: Literal["auto", "direct", "proxy"] = Field(
+        "auto",
+        description="Who answers HTTP on the port: 'direct' (the ingress replica itself, Serve's direct ingress: one actor hop "
+        "less per request and per streamed token; needs a Ray cluster `pagedserve serve` starts), 'proxy' (Serve's HTTP proxy, "
+        "which hands each request to an ingress replica), or 'auto' (direct where this command starts Ray, else proxy).",
     )
     # The OpenAI front end (vLLM's flags; docs/structured-outputs.md).
     enable_auto_tool_choice: bool = Field(

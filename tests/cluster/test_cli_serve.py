@@ -1,9 +1,13 @@
 """`pagedserve serve` as a user runs it: a subprocess that starts its own Ray, requires the key
 from its key file, answers a chat request, and exits cleanly on SIGTERM. Its engine replica runs
-on tcmalloc exactly where this machine has it (cluster/tcmalloc.py)."""
+on tcmalloc exactly where this machine has it (cluster/tcmalloc.py), and its ingress replica
+answers HTTP on the port itself (Serve's direct ingress, `http_ingress: auto`): a client that
+goes away mid-stream still aborts its request there. (tests/e2e/test_real_model.py runs the
+command with Serve's proxy on the port.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -17,7 +21,7 @@ import pytest
 import requests
 
 from pagedserve.cluster import tcmalloc
-from tests.cluster.conftest import free_port, wait_until
+from tests.cluster.conftest import free_port, metric_values, wait_until
 
 
 def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
@@ -42,6 +46,8 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         reply = client.chat.completions.create(model="cli-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
         assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
         assert client.models.list().data[0].id == "cli-llama"  # the flag overrode nothing else
+        assert "OpenAIIngress" in _listener(process.pid, port)
+        _disconnect_mid_stream(f"http://127.0.0.1:{port}", key)
         expected = tcmalloc.find()  # None on a machine without it: then glibc's malloc
         assert _replica_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
         started = time.monotonic()
@@ -56,6 +62,30 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
+
+
+def _listener(pid: int, port: int) -> str:
+    """The command line of `pid`'s descendant that listens on `port`."""
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in child.net_connections("tcp")):
+                return " ".join(child.cmdline())
+    raise AssertionError(f"none of {pid}'s processes listens on {port}")
+
+
+def _disconnect_mid_stream(base_url: str, key: str) -> None:
+    """A stream whose client leaves after its first chunk is aborted, long before its end."""
+    labels = (("model_name", "cli-llama"),)
+    aborts = ("pagedserve:request_success_total", (("finished_reason", "abort"), *labels))
+    tokens = ("pagedserve:generation_tokens_total", labels)
+    before = metric_values(base_url)
+    body = {"model": "cli-llama", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    with requests.post(f"{base_url}/v1/completions", json=body, headers=headers, stream=True, timeout=30) as response:
+        assert response.status_code == 200, response.text
+        assert next(line for line in response.iter_lines(decode_unicode=True) if line.startswith("data:"))
+    wait_until(lambda: metric_values(base_url).get(aborts, 0) == before.get(aborts, 0) + 1, timeout=15, interval=0.5, what="the abort")
+    assert metric_values(base_url)[tokens] - before.get(tokens, 0) < 240
 
 
 def _replica_allocator(pid: int) -> str | None:

@@ -257,6 +257,9 @@ BAD_COMBINATIONS = [
         {"model.persistentVolumeClaim": "a", "model.hostPath": "/b"}, "give one of them", id="two-model-volumes"
     ),
     pytest.param(
+        {"server.http_ingress": "direct"}, 'server.http_ingress is "direct", which only `pagedserve serve`', id="direct-ingress"
+    ),
+    pytest.param(
         {"rayClusterDeletionDelaySeconds": 10},
         "rayClusterDeletionDelaySeconds (10) is shorter than server.graceful_shutdown_s (30)",
         id="deletion-before-drain",

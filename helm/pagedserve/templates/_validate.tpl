@@ -16,6 +16,9 @@
 {{- if and (ne .Values.rayAuth.mode "token") (not .Values.rayAuth.allowUnauthenticated) -}}
 {{- fail "rayAuth.mode is \"disabled\": anyone who reaches the Ray ports (dashboard 8265, client 10001, GCS 6379) could run code on every pod; keep rayAuth.mode=token, or set rayAuth.allowUnauthenticated=true to accept that" -}}
 {{- end -}}
+{{- if eq (toString $server.http_ingress) "direct" -}}
+{{- fail "server.http_ingress is \"direct\", which only `pagedserve serve` on a Ray cluster it starts can set up; here Serve's proxy on each pod answers the Service's port 8000: leave it auto (or proxy)" -}}
+{{- end -}}
 {{- if and .Values.model.persistentVolumeClaim .Values.model.hostPath -}}
 {{- fail "model.persistentVolumeClaim and model.hostPath are both set: give one of them" -}}
 {{- end -}}
