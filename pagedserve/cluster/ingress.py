@@ -165,6 +165,7 @@ class OpenAIIngress:
         self.open_paths = tuple(p for p in OPEN_PATHS if not (metrics_require_api_key and p == "/metrics"))
         self.health_probe = CachedResult(self._all_healthy, PROBE_MAX_AGE_S, HEALTH_TIMEOUT_S)
         self.metrics_text = CachedResult(self._render_metrics, PROBE_MAX_AGE_S, METRICS_TIMEOUT_S)
+        self.stopping = False
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -252,6 +253,13 @@ class OpenAIIngress:
             body = APIError(503, f"the metrics hub did not answer within {self.metrics_text.timeout_s:g} s", "ServiceUnavailableError").body()
             return JSONResponse(body, status_code=503)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def stop_taking_requests(self) -> None:
+        """From now on every new request gets a 503 (RequestGate); those in flight go on. Where
+        the replica answers HTTP itself (direct ingress) nothing else refuses them while Serve
+        drains it: without this, requests kept arriving, each waited for an engine replica that
+        was gone, and the drain never ended (`pagedserve serve` under load, cluster/launcher.py)."""
+        self.stopping = True
 
     # ---- helpers ---------------------------------------------------------------------------
 

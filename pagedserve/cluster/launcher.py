@@ -46,7 +46,7 @@ def serve_forever(config: ServerConfig) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.cluster.app import build_app
+    from pagedserve.cluster.app import INGRESS_DEPLOYMENT, build_app
     from pagedserve.ray_env import ensure_ray_initialized
 
     config.resolve_api_key()  # a key file that is missing or empty stops us before Ray starts
@@ -77,6 +77,8 @@ def serve_forever(config: ServerConfig) -> int:
             print(f"pagedserve: the ingress replica answers on port {config.port} itself (http_ingress: direct)", flush=True)
         stop = stop_signal()
         print(f"pagedserve: {signal.Signals(stop).name} received: draining (up to {config.graceful_shutdown_s:g} s)", flush=True)
+        if direct:  # no proxy turns new requests away while the app is deleted: the ingress must
+            serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME).stop_taking_requests.remote().result(timeout_s=10)
         serve.delete(APP_NAME)  # blocks until the app is gone (its default)
         serve.shutdown()
     finally:
@@ -115,12 +117,16 @@ def direct_ingress_environment(port: int, environ: dict | None = None) -> None:
 
 
 def check_port_is_free(host: str, port: int) -> None:
-    """A ValueError naming `port` if something on this machine listens on it already."""
+    """A ValueError naming `port` unless Serve could bind it now: bound as Serve binds it, without
+    SO_REUSEADDR, so connections a server just closed (TIME_WAIT) count as holding it too."""
     try:
-        with socket.create_server((host, port), family=_family(host)):
-            pass
+        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
     except OSError as error:
-        raise ValueError(f"cannot serve on {host}:{port}: {error.strerror or error}; choose another --port") from None
+        raise ValueError(
+            f"cannot serve on {host}:{port}: {error.strerror or error}; choose another --port (or wait: the connections of "
+            "a server that just stopped hold its port for up to a minute)"
+        ) from None
 
 
 def free_port(host: str) -> int:

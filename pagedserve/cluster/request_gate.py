@@ -1,4 +1,5 @@
-"""The ASGI gate in front of every route of the HTTP ingress: the API key, then the body's size."""
+"""The ASGI gate in front of every route of the HTTP ingress: a stopping server's refusal, the
+API key, then the body's size."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from pagedserve.cluster.openai_serving import APIError
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
+# What a stopping server answers to every new request, /health included (so a load balancer
+# stops sending): its streams finish, and nothing new starts that the stop would cut.
+STOPPING = APIError(503, "the server is shutting down", "ServiceUnavailableError")
+
+
 class RequestGate:
-    """ASGI middleware in front of every route: the API key first (so nothing about a request
-    is parsed for a caller without one), then the body size, from Content-Length and again
-    while a chunked body is read (the body is buffered up to the limit and replayed)."""
+    """ASGI middleware in front of every route: a 503 once the ingress is stopping
+    (`OpenAIIngress.stop_taking_requests`), the API key (so nothing about a request is parsed
+    for a caller without one), then the body size, from Content-Length and again while a
+    chunked body is read (the body is buffered up to the limit and replayed)."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -27,6 +34,8 @@ class RequestGate:
         ingress = serve.get_replica_context().servable_object
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         try:
+            if ingress.stopping:
+                raise STOPPING
             ingress.authorize_path(scope["path"], headers.get("authorization", ""))
             receive = await _bounded_body(receive, headers, ingress.max_request_body_bytes)
         except APIError as error:

@@ -2,12 +2,14 @@
 from its key file, answers a chat request, and exits cleanly on SIGTERM. Its engine replica runs
 on tcmalloc exactly where this machine has it (cluster/tcmalloc.py), and its ingress replica
 answers HTTP on the port itself (Serve's direct ingress, `http_ingress: auto`): a client that
-goes away mid-stream still aborts its request there. (tests/e2e/test_real_model.py runs the
+goes away mid-stream still aborts its request there, and once SIGTERM comes new requests get a
+503 while the stream in flight runs to its end. (tests/e2e/test_real_model.py runs the
 command with Serve's proxy on the port.)"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -33,7 +35,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         f"model: {model_dirs['llama']}\nserved_model_name: cli-llama\napi_key_file: {tmp_path / 'key'}\nengine: {{max_model_len: 128}}\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "LD_PRELOAD", tcmalloc.SWITCH)}
-    command = [sys.executable, "-m", "pagedserve.cli", "serve", "--config", str(config), "--port", str(port), "--max-model-len", "256"]
+    command = [sys.executable, "-m", "pagedserve.cli", "serve", "--config", str(config), "--port", str(port), "--max-model-len", "512"]
     log = open(tmp_path / "serve.log", "w+")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -50,8 +52,12 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         _disconnect_mid_stream(f"http://127.0.0.1:{port}", key)
         expected = tcmalloc.find()  # None on a machine without it: then glibc's malloc
         assert _replica_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
+        stream = _stream(f"http://127.0.0.1:{port}", key, max_tokens=500)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
+        wait_until(lambda: _refused(f"http://127.0.0.1:{port}", key), timeout=30, interval=0.2, what="a 503 for a new request", details=lambda: _tail(log))
+        last_events = list(stream)[-2:]  # the stream in flight at SIGTERM runs to its end
+        assert json.loads(last_events[0])["usage"]["completion_tokens"] == 500 and last_events[1] == "[DONE]"
         assert process.wait(timeout=120) == 0, _tail(log)
         assert time.monotonic() - started < 120
         output = _tail(log)
@@ -71,6 +77,26 @@ def _listener(pid: int, port: int) -> str:
             if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in child.net_connections("tcp")):
                 return " ".join(child.cmdline())
     raise AssertionError(f"none of {pid}'s processes listens on {port}")
+
+
+def _stream(base_url: str, key: str, max_tokens: int):
+    """A streamed completion of exactly `max_tokens`, started and its first event read: the
+    rest of its events' data, the usage chunk and [DONE] last."""
+    body = {"model": "cli-llama", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    response = requests.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, stream=True, timeout=60)
+    assert response.status_code == 200, response.text
+    events = (line.removeprefix("data: ") for line in response.iter_lines(decode_unicode=True) if line.startswith("data: "))
+    assert next(events)
+    return events
+
+
+def _refused(base_url: str, key: str) -> bool:
+    """Whether a new request now gets the stopping server's 503 (a 200 means not yet)."""
+    body = {"model": "cli-llama", "prompt": "Hi", "max_tokens": 1}
+    response = requests.post(f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert response.status_code in (200, 503), response.text
+    return response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
 
 
 def _disconnect_mid_stream(base_url: str, key: str) -> None:

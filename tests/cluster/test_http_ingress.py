@@ -51,6 +51,19 @@ def test_a_port_in_use_is_named_before_ray_starts():
     check_port_is_free("127.0.0.1", port)  # released: free again
 
 
+def test_a_port_whose_server_just_closed_its_connections_counts_as_held():
+    """Serve binds without SO_REUSEADDR, so a port a stopped server's closed connections still
+    hold (TIME_WAIT) would fail there: the check says so first."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server closes first: its end waits out TIME_WAIT
+            assert client.recv(1) == b""
+    with pytest.raises(ValueError, match="Address already in use.*wait"):
+        check_port_is_free("127.0.0.1", port)
+
+
 def test_the_proxy_gets_a_port_nothing_holds():
     port = free_port("127.0.0.1")
     check_port_is_free("127.0.0.1", port)
