@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from pagedserve.cluster import tcmalloc
 from pagedserve.cluster.server_config import SERVE_DIRECT_INGRESS_VARIABLE, ServerConfig
@@ -78,7 +78,7 @@ def serve_forever(config: ServerConfig) -> int:
         stop = stop_signal()
         print(f"pagedserve: {signal.Signals(stop).name} received: draining (up to {config.graceful_shutdown_s:g} s)", flush=True)
         if direct:  # no proxy turns new requests away while the app is deleted: the ingress must
-            serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME).stop_taking_requests.remote().result(timeout_s=10)
+            _stop_taking_requests(serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME))
         serve.delete(APP_NAME)  # blocks until the app is gone (its default)
         serve.shutdown()
     finally:
@@ -180,6 +180,14 @@ def server_cpu_kv_cache_bytes(total_bytes: int | None = None) -> int:
     if total_bytes is None:
         total_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(min(SERVER_CPU_KV_CACHE_MAX_BYTES, total_bytes * SERVER_CPU_KV_CACHE_MEMORY_FRACTION))
+
+
+def _stop_taking_requests(ingress: Any) -> None:
+    """Tell the ingress replica to refuse new requests; if it cannot answer, stop anyway."""
+    try:
+        ingress.stop_taking_requests.remote().result(timeout_s=10)
+    except Exception as error:  # a dead or wedged ingress must not keep the server from stopping
+        print(f"pagedserve: the ingress did not confirm it stopped taking requests ({error!r}); stopping anyway", flush=True)
 
 
 def _catch_stop_signals() -> Callable[[], int]:
