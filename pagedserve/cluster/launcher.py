@@ -117,11 +117,10 @@ def direct_ingress_environment(port: int, environ: dict | None = None) -> None:
 
 
 def check_port_is_free(host: str, port: int) -> None:
-    """A ValueError naming `port` unless Serve could bind it now: bound as Serve binds it, without
-    SO_REUSEADDR, so connections a server just closed (TIME_WAIT) count as holding it too."""
+    """A ValueError naming `port` unless Serve could bind it now (`_bound`): a port in use, or
+    held by the connections a server just closed (TIME_WAIT), is refused."""
     try:
-        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
-            probe.bind((host, port))
+        _bound(host, port).close()
     except OSError as error:
         raise ValueError(
             f"cannot serve on {host}:{port}: {error.strerror or error}; choose another --port (or wait: the connections of "
@@ -130,13 +129,20 @@ def check_port_is_free(host: str, port: int) -> None:
 
 
 def free_port(host: str) -> int:
-    """A port on `host` nothing listens on now."""
-    with socket.create_server((host, 0), family=_family(host)) as probe:
+    """A port on `host` that Serve could bind now."""
+    with _bound(host, 0) as probe:
         return probe.getsockname()[1]
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) as Serve binds its HTTP servers: without SO_REUSEADDR."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def slow_serve_control_loop(environ: dict | None = None) -> None:
