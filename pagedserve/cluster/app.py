@@ -6,7 +6,9 @@ it with the config's `args`, which are `ServerConfig` fields (engine arguments u
 flat). The LLMServer replicas get a placement group each, laid out here and only here: bundle 0
 for the replica (`deployment.num_cpus`, default one CPU), then one bundle per TP x PP rank (a GPU each on a GPU cluster), whose
 indices the replica hands down to its executor. A CPU-only, single-rank engine runs in the
-replica itself.
+replica itself. With `engine_host: ingress` there is no LLMServer deployment: the one ingress
+replica builds the LLMServer in its own process (cluster/local_engine.py) and takes the
+reservation and placement group an engine replica would have had.
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ SCALE_FIELDS = ("num_replicas", "autoscaling", "autoscaling_config")  # Deployme
 
 
 def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
+    """The application; `engine_host` 'auto' means 'replicas' here (a Serve config's
+    `deployments:` override may scale the LLMServer later); `pagedserve serve` decides it first."""
     from ray import serve
 
-    from pagedserve.cluster.ingress import OpenAIIngress, key_digest
-    from pagedserve.cluster.llm_server import LLMServer
+    from pagedserve.cluster.ingress import key_digest
     from pagedserve.cluster.metrics_hub import MetricsHub
     from pagedserve.cluster.openai_serving import RequestLimits
-    from pagedserve.cluster.serve_engine_client import ingress_env_vars
 
     config = args if isinstance(args, ServerConfig) else ServerConfig.load(overrides=args or {})
     if config.http_ingress == "direct" and os.environ.get(SERVE_DIRECT_INGRESS_VARIABLE) != "1":
@@ -58,22 +60,7 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     # The key itself never goes into a deployment's arguments (which Serve records and shows).
     config = config.model_copy(update={"api_key": None, "api_key_file": None})
     config, worker_bundles = place_workers(config)
-    options = config.deployment
-    server_options: dict[str, Any] = dict(
-        max_ongoing_requests=options.max_ongoing_requests,
-        max_queued_requests=options.max_queued_requests,
-        graceful_shutdown_timeout_s=config.graceful_shutdown_s,
-        health_check_period_s=5,
-        ray_actor_options={"num_cpus": options.num_cpus},
-        **options.serve_scaling_options(),
-    )
-    server_options["request_router_config"] = request_router_config(config)
-    worker_bundle_indices: tuple[int, ...] = ()
-    if worker_bundles:
-        # The one place the layout is decided: the replica, then its ranks in order.
-        server_options["placement_group_bundles"] = [{"CPU": options.num_cpus}, *worker_bundles]
-        server_options["placement_group_strategy"] = "PACK"
-        worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))
+    worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))  # bundle 0 holds the engine's host
 
     hub = serve.deployment(
         MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
@@ -81,25 +68,75 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     # A replica needs no deployment options (Serve applies them), and its arguments must not
     # depend on the deployment's scale.
     replica_config = config.model_copy(update={"deployment": DeploymentConfig()})
-    server = serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(**server_options).bind(replica_config, hub, worker_bundle_indices)
-    ingress = serve.deployment(
-        OpenAIIngress,
-        name=INGRESS_DEPLOYMENT,
-        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": ingress_env_vars()}},
-        graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
-        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
-        max_surge_percent=INGRESS_MAX_SURGE_PERCENT,
-    )
+    if config.engine_host == "ingress":  # local_engine.py: the ingress holds the engine and its resources
+        servers, local_engine = {}, (replica_config, worker_bundle_indices)
+        ingress = _ingress_deployment(config, _engine_resources(config, worker_bundles))
+    else:
+        server = _server_deployment(config, worker_bundles).bind(replica_config, hub, worker_bundle_indices)
+        servers, local_engine = {config.model_name: server}, None
+        ingress = _ingress_deployment(config)
     engine = config.engine_config()
     limits = {config.model_name: RequestLimits(max_n=engine.max_n, max_logprobs=engine.max_logprobs)}
     digest = key_digest(api_key) if api_key else None
     options = {config.model_name: serving_options(config)}
     adapters = {adapter.lora_name: (config.model_name, adapter) for adapter in config.lora_requests()}
     return ingress.bind(
-        {config.model_name: server}, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key,
-        adapters, config.lora_dirs,
+        servers, hub, limits, digest, config.max_request_body_bytes, options, config.metrics_require_api_key,
+        adapters, config.lora_dirs, local_engine,
     )
+
+
+def _ingress_deployment(config: ServerConfig, engine_resources: dict[str, Any] | None = None) -> Any:
+    """The OpenAIIngress deployment. Without the engine it reserves no CPU and starts its
+    successor before it stops on a redeploy; holding the engine (`engine_resources`), it is one
+    replica with the engine's reservation, health check and grace period."""
+    from ray import serve
+
+    from pagedserve.cluster.ingress import OpenAIIngress
+    from pagedserve.cluster.serve_engine_client import ingress_env_vars
+
+    options: dict[str, Any] = dict(
+        name=INGRESS_DEPLOYMENT,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
+        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
+    )
+    runtime_env = {"env_vars": ingress_env_vars()}
+    if engine_resources is None:
+        options.update(ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env}, max_surge_percent=INGRESS_MAX_SURGE_PERCENT)
+    else:  # no engine replica's handover to wait for: its streams get the engine's grace period
+        options.update(num_replicas=1, health_check_period_s=5, graceful_shutdown_timeout_s=config.graceful_shutdown_s, **engine_resources)
+        options["ray_actor_options"] = {**engine_resources["ray_actor_options"], "runtime_env": runtime_env}
+    return serve.deployment(OpenAIIngress, **options)
+
+
+def _server_deployment(config: ServerConfig, worker_bundles: list[dict[str, float]]) -> Any:
+    """The LLMServer deployment (`engine_host` 'replicas'), scaled, routed and reserved."""
+    from ray import serve
+
+    from pagedserve.cluster.llm_server import LLMServer
+
+    options = config.deployment
+    return serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(
+        max_ongoing_requests=options.max_ongoing_requests,
+        max_queued_requests=options.max_queued_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_s,
+        health_check_period_s=5,
+        request_router_config=request_router_config(config),
+        **options.serve_scaling_options(),
+        **_engine_resources(config, worker_bundles),
+    )
+
+
+def _engine_resources(config: ServerConfig, worker_bundles: list[dict[str, float]]) -> dict[str, Any]:
+    """Serve options that reserve what the deployment hosting the engine needs: its CPUs, and a
+    placement group (that process first, then one bundle per rank in order) where ranks run apart."""
+    num_cpus = config.deployment.num_cpus
+    if not worker_bundles:
+        return {"ray_actor_options": {"num_cpus": num_cpus}}
+    # The one place the layout is decided: the engine's host, then its ranks in order.
+    bundles = [{"CPU": num_cpus}, *worker_bundles]
+    return {"ray_actor_options": {"num_cpus": num_cpus}, "placement_group_bundles": bundles, "placement_group_strategy": "PACK"}
 
 
 def serving_options(config: ServerConfig) -> Any:
@@ -139,7 +176,10 @@ def serve_application_config(config: ServerConfig, name: str, route_prefix: str 
     KubeRay's serveConfigV2 take). The replica count goes in Serve's `deployments:` override,
     not in `args`: Serve restarts every replica of an app whose args change (they are part of
     its code version), while a changed override only starts or stops the replicas added or
-    removed. Edit the override to scale."""
+    removed. Edit the override to scale. The engine runs in LLMServer replicas here, which is
+    what the override scales: `engine_host` 'ingress' is refused."""
+    if config.engine_host == "ingress":
+        raise ValueError("engine_host 'ingress' has no LLMServer deployment for a Serve config's deployments: override to scale; use 'auto' or 'replicas'")
     args = config.model_dump(mode="json", exclude_unset=True)
     deployment = {key: value for key, value in args.get("deployment", {}).items() if key not in SCALE_FIELDS}
     args = {**args, "deployment": deployment} if deployment else {k: v for k, v in args.items() if k != "deployment"}

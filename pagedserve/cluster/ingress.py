@@ -22,6 +22,7 @@ from ray import serve
 from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.http_errors import add_error_handlers
+from pagedserve.cluster.local_engine import LocalEngineClient, LocalServer
 from pagedserve.cluster.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, allowed_adapter_path
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
@@ -110,6 +111,21 @@ def _generation_defaults(handle: Any, setting: str) -> GenerationDefaults:
     return GenerationDefaults(setting, model_folder)
 
 
+def _local_servers(config: Any, worker_bundle_indices: tuple[int, ...], metrics_hub: Any) -> dict[str, LocalServer]:
+    """The engine built in this process (`engine_host: ingress`). No SIGTERM drain: no other
+    replica could take its streams; Serve's graceful shutdown of this replica lets them end."""
+    from pagedserve.cluster.llm_server import LLMServer  # torch and the engine: only where they run
+
+    server = LLMServer(config, metrics_hub, worker_bundle_indices, drains_on_sigterm=False)
+    return {config.model_name: LocalServer(server)}
+
+
+def _engine_client(handle: Any, options: ServingOptions) -> Any:
+    if isinstance(handle, LocalServer):
+        return LocalEngineClient(handle)
+    return ServeEngineClient(handle, options.engine_transport)
+
+
 def key_digest(key: str) -> str:
     """What the ingress is given instead of the key itself (see `OpenAIIngress.authorize`)."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -135,6 +151,7 @@ class OpenAIIngress:
         metrics_require_api_key: bool = False,
         adapters: dict[str, tuple[str, LoRARequest]] | None = None,
         lora_dirs: list[str] | None = None,
+        local_engine: tuple[Any, tuple[int, ...]] | None = None,
     ):
         """`api_key_sha256`: the SHA-256 hex digest of the key clients must send, so the key
         itself never travels in the application's arguments; a key in this replica's own
@@ -142,15 +159,19 @@ class OpenAIIngress:
         `options`: each served model's OpenAI front-end settings (tool and reasoning parsers).
         `metrics_require_api_key`: /metrics needs the key too. `adapters`: LoRA adapters served
         by name -> (the served model they adapt, the adapter); `lora_dirs`: where
-        /v1/load_lora_adapter may load more from (lora_adapters.py)."""
+        /v1/load_lora_adapter may load more from (lora_adapters.py). `local_engine`: the
+        (ServerConfig, worker bundle indices) of an engine to run in this process instead of
+        `servers` (`engine_host: ingress`, local_engine.py)."""
         limits, options = limits or {}, options or {}
-        self.servers = servers  # served model name -> LLMServer handle
+        if local_engine is not None:
+            servers = {**servers, **_local_servers(*local_engine, metrics_hub)}
+        self.servers = servers  # served model name -> LLMServer handle (or LocalServer)
         self.servings = {}
         for name, handle in servers.items():
             served = options.get(name, ServingOptions())
             defaults = _generation_defaults(handle, served.generation_config)
             self.servings[name] = OpenAIServing(
-                name, ServeEngineClient(handle, served.engine_transport), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
+                name, _engine_client(handle, served), limits.get(name, RequestLimits()), _renderer(handle), served, defaults
             )
         self.adapters: dict[str, tuple[str, LoRARequest]] = {}
         self.lora_dirs = list(lora_dirs or [])
@@ -261,6 +282,13 @@ class OpenAIIngress:
         was gone, and the drain never ended (`pagedserve serve` under load, cluster/launcher.py)."""
         self.stopping = True
 
+    def check_health(self) -> None:
+        """Serve's health check of this replica: where it holds the engine, a dead engine gets
+        it replaced (an LLMServer replica's own check, otherwise)."""
+        for server in self.servers.values():
+            if isinstance(server, LocalServer):
+                server.check_health()
+
     # ---- helpers ---------------------------------------------------------------------------
 
     def authorize_path(self, path: str, header: str) -> None:
@@ -298,7 +326,7 @@ class OpenAIIngress:
         """Serve `name`: the base model's front end, with the adapter beside each prompt."""
         base_serving = self.servings[base]
         self.servings[name] = OpenAIServing(
-            name, ServeEngineClient(self.servers[base], base_serving.options.engine_transport), base_serving.limits, base_serving.renderer, base_serving.options,
+            name, _engine_client(self.servers[base], base_serving.options), base_serving.limits, base_serving.renderer, base_serving.options,
             base_serving.defaults, lora_request,
         )
         self.adapters[name] = (base, lora_request)

@@ -41,9 +41,13 @@ STATS_REPORT_INTERVAL_S = 1.0
 
 
 class LLMServer:
-    def __init__(self, config: ServerConfig, metrics_hub: Any = None, worker_bundle_indices: tuple[int, ...] = ()):
+    def __init__(
+        self, config: ServerConfig, metrics_hub: Any = None, worker_bundle_indices: tuple[int, ...] = (), drains_on_sigterm: bool = True
+    ):
         """`worker_bundle_indices`: the bundles of this replica's placement group that hold the
-        engine's ranks, in rank order (app.py lays the group out); none: the engine runs here."""
+        engine's ranks, in rank order (app.py lays the group out); none: the engine runs here.
+        `drains_on_sigterm`: a SIGTERM hands the streams over to other replicas (replica_drain.py);
+        False where there are none (the engine in the ingress's process, local_engine.py)."""
         import ray
         from ray import serve
 
@@ -72,7 +76,8 @@ class LLMServer:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
         # Serve constructs the replica on its event loop, where generate runs too.
         self.drain = ReplicaDrain(Handover(replica_id.unique_id), config.drain_timeout_s, self._exit_drained)
-        SigtermHook(self.drain.on_sigterm).install()
+        if drains_on_sigterm:
+            SigtermHook(self.drain.on_sigterm).install()
 
     async def generate(
         self, request_id: str, prompt: ServerPrompt, params: SamplingParams, resume: ResumeState | None = None

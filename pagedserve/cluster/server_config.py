@@ -133,6 +133,11 @@ class DeploymentConfig(BaseModel):
         return self
 
     @property
+    def scales(self) -> bool:
+        """Whether the replica count is Serve's autoscaler's to change."""
+        return self.autoscaling is not None or self.autoscaling_config is not None
+
+    @property
     def max_num_replicas(self) -> int:
         """The most replicas this deployment may run (what a local Ray is sized for)."""
         if self.autoscaling is not None:
@@ -220,6 +225,13 @@ class ServerConfig(BaseModel):
         "less per request and per streamed token; needs a Ray cluster `pagedserve serve` starts), 'proxy' (Serve's HTTP proxy, "
         "which hands each request to an ingress replica), or 'auto' (direct where this command starts Ray, else proxy).",
     )
+    engine_host: Literal["auto", "ingress", "replicas"] = Field(
+        "auto",
+        description="Where the engine's AsyncLLM runs: 'replicas' (LLMServer replicas behind a Serve handle: scalable, "
+        "autoscaled, streams handed over on a drain), 'ingress' (in the ingress replica's process, as vLLM's API server "
+        "holds its engine: one process hop less per request and per streamed token; one engine, no scaling), or 'auto' "
+        "(ingress where `pagedserve serve` starts Ray itself and one fixed replica is asked for, else replicas).",
+    )
     # The OpenAI front end (vLLM's flags; docs/structured-outputs.md).
     enable_auto_tool_choice: bool = Field(
         False, description='tool_choice "auto": free generation, then --tool-call-parser finds the calls in the text.'
@@ -268,6 +280,16 @@ class ServerConfig(BaseModel):
         if len(set(names)) != len(names) or self.model_name in names:
             raise ValueError(f"lora_modules names must be unique and differ from the served model's name {self.model_name!r}: {names}")
         return adapters
+
+    @model_validator(mode="after")
+    def _engine_in_ingress_is_one_engine(self) -> ServerConfig:
+        deployment = self.deployment
+        if self.engine_host == "ingress" and (deployment.scales or deployment.num_replicas != 1):
+            raise ValueError(
+                "engine_host 'ingress' runs one engine, in the ingress's process: it cannot have deployment.num_replicas > 1 "
+                "or autoscaling; use engine_host 'replicas' (or 'auto') to scale"
+            )
+        return self
 
     @model_validator(mode="after")
     def _exposed_host_needs_a_key(self) -> ServerConfig:

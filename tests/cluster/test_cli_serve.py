@@ -1,10 +1,11 @@
 """`pagedserve serve` as a user runs it: a subprocess that starts its own Ray, requires the key
-from its key file, answers a chat request, and exits cleanly on SIGTERM. Its engine replica runs
-on tcmalloc exactly where this machine has it (cluster/tcmalloc.py), and its ingress replica
-answers HTTP on the port itself (Serve's direct ingress, `http_ingress: auto`): a client that
+from its key file, answers a chat request, and exits cleanly on SIGTERM. Its ingress replica
+holds the engine (`engine_host: auto`, cluster/local_engine.py) and runs on tcmalloc exactly
+where this machine has it (cluster/tcmalloc.py), and it answers HTTP on the port itself (Serve's
+direct ingress, `http_ingress: auto`): a client that
 goes away mid-stream still aborts its request there, and once SIGTERM comes new requests get a
 503 while the stream in flight runs to its end. (tests/e2e/test_real_model.py runs the
-command with Serve's proxy on the port.)"""
+command with Serve's proxy on the port and the engine in an LLMServer replica.)"""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         assert "OpenAIIngress" in _listener(process.pid, port)
         _disconnect_mid_stream(f"http://127.0.0.1:{port}", key)
         expected = tcmalloc.find()  # None on a machine without it: then glibc's malloc
-        assert _replica_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
+        assert _engine_host_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
         stream = _stream(f"http://127.0.0.1:{port}", key, max_tokens=500)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -64,6 +65,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         assert "serving 'cli-llama'" in output and "curl http://127.0.0.1" in output and "pagedserve: stopped" in output
         assert "Bearer $PAGEDSERVE_API_KEY" in output and key not in output
         assert ("pagedserve: tcmalloc preloaded" if expected else "pagedserve: no tcmalloc found") in output
+        assert "the engine runs in the ingress replica's process (engine_host: ingress)" in output
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -114,10 +116,13 @@ def _disconnect_mid_stream(base_url: str, key: str) -> None:
     assert metric_values(base_url)[tokens] - before.get(tokens, 0) < 240
 
 
-def _replica_allocator(pid: int) -> str | None:
-    """The tcmalloc the engine replica among `pid`'s descendants has mapped, or None."""
-    replicas = [p for p in psutil.Process(pid).children(recursive=True) if "LLMServer" in " ".join(p.cmdline())]
-    assert len(replicas) == 1, [p.cmdline() for p in psutil.Process(pid).children(recursive=True)]
+def _engine_host_allocator(pid: int) -> str | None:
+    """The tcmalloc the engine's host among `pid`'s descendants has mapped, or None: the one
+    ingress replica, with no LLMServer replica beside it."""
+    processes = psutil.Process(pid).children(recursive=True)
+    assert not [p for p in processes if "LLMServer" in " ".join(p.cmdline())]
+    replicas = [p for p in processes if "OpenAIIngress" in " ".join(p.cmdline())]
+    assert len(replicas) == 1, [p.cmdline() for p in processes]
     paths = {m.path for m in replicas[0].memory_maps() if "tcmalloc" in os.path.basename(m.path)}
     assert len(paths) <= 1, paths
     return os.path.realpath(paths.pop()) if paths else None

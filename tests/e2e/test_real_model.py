@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import openai
+import psutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
@@ -154,12 +155,13 @@ def test_engine_tokenizer_is_the_gguf_tokenizer(default_llm, gguf_tokenizer, pro
 def test_served_chat_equals_offline_chat(default_llm, smollm2_gguf, tmp_path):
     """`pagedserve serve --model FILE.gguf`: the openai client's greedy chat answers equal
     `LLM.chat`'s, and the model is served under the name it was given. Serve's proxy answers on
-    the port here (`--http-ingress proxy`); tests/cluster/test_cli_serve.py runs the default."""
+    the port here (`--http-ingress proxy`) and the engine runs in an LLMServer replica
+    (`--engine-host replicas`); tests/cluster/test_cli_serve.py runs the defaults."""
     expected = [o.outputs[0].text for o in default_llm.chat(CHATS[:2], GREEDY, use_tqdm=False)]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(smollm2_gguf), "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "1024", "--http-ingress", "proxy"]
+               "--dtype", "float32", "--max-model-len", "1024", "--http-ingress", "proxy", "--engine-host", "replicas"]
     log = open(tmp_path / "serve.log", "w+")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -168,6 +170,7 @@ def test_served_chat_equals_offline_chat(default_llm, smollm2_gguf, tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
         assert client.models.list().data[0].id == str(smollm2_gguf)
         assert "ProxyActor" in _listener(process.pid, port)
+        assert any("LLMServer" in " ".join(p.cmdline()) for p in psutil.Process(process.pid).children(recursive=True))
         for chat, text in zip(CHATS[:2], expected):
             reply = client.chat.completions.create(model=str(smollm2_gguf), messages=chat, max_tokens=MAX_TOKENS, temperature=0)
             assert reply.choices[0].message.content == text

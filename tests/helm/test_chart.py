@@ -260,6 +260,9 @@ BAD_COMBINATIONS = [
         {"server.http_ingress": "direct"}, 'server.http_ingress is "direct", which only `pagedserve serve`', id="direct-ingress"
     ),
     pytest.param(
+        {"server.engine_host": "ingress"}, 'server.engine_host is "ingress", but on KubeRay the engine runs in the LLMServer', id="engine-in-ingress"
+    ),
+    pytest.param(
         {"rayClusterDeletionDelaySeconds": 10},
         "rayClusterDeletionDelaySeconds (10) is shorter than server.graceful_shutdown_s (30)",
         id="deletion-before-drain",

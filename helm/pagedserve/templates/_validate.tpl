@@ -19,6 +19,9 @@
 {{- if eq (toString $server.http_ingress) "direct" -}}
 {{- fail "server.http_ingress is \"direct\", which only `pagedserve serve` on a Ray cluster it starts can set up; here Serve's proxy on each pod answers the Service's port 8000: leave it auto (or proxy)" -}}
 {{- end -}}
+{{- if eq (toString $server.engine_host) "ingress" -}}
+{{- fail "server.engine_host is \"ingress\", but on KubeRay the engine runs in the LLMServer deployment the chart scales and drains (serveConfigV2's deployments:); leave it auto (or replicas)" -}}
+{{- end -}}
 {{- if and .Values.model.persistentVolumeClaim .Values.model.hostPath -}}
 {{- fail "model.persistentVolumeClaim and model.hostPath are both set: give one of them" -}}
 {{- end -}}
