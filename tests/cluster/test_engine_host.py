@@ -8,8 +8,11 @@ LLMServer deployment) is no other module's. tests/cluster/test_cli_serve.py runs
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import openai
+import psutil
 import pytest
 import requests
 
@@ -118,7 +121,9 @@ def test_a_consumer_that_stops_early_closes_the_engine_stream():
 def base_url(serve_url, model_dirs):
     from ray import serve
 
-    config = ServerConfig(model=str(model_dirs["llama"]), served_model_name=MODEL, engine_host="ingress", engine={"max_model_len": MAX_MODEL_LEN})
+    # The engine core in its own process, as `pagedserve serve` runs it on a machine of its own.
+    engine = {"max_model_len": MAX_MODEL_LEN, "engine_core_process": True}
+    config = ServerConfig(model=str(model_dirs["llama"]), served_model_name=MODEL, engine_host="ingress", engine=engine)
     deploy(config, APP, PREFIX)
     yield serve_url + PREFIX
     serve.delete(APP)
@@ -211,3 +216,26 @@ def test_models_health_tokenize_detokenize(client, base_url, offline):
     assert text == {"prompt": "café 日本"}
     bad = requests.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": [10**9]}, timeout=10)
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_a_dead_engine_is_503_until_serve_replaces_the_ingress(client, base_url, ray_cluster):
+    """The ingress's own health check carries the engine's: Serve replaces the replica, engine
+    and all. (Last here: it restarts the module's app.)"""
+    from ray.util.state import list_actors
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    [ingress] = list_actors(address=address, filters=[("class_name", "=", f"ServeReplica:{APP}:OpenAIIngress"), ("state", "=", "ALIVE")], detail=True)
+    [core] = [p for p in psutil.Process(ingress.pid).children() if "pagedserve.engine.core.proc" in " ".join(p.cmdline())]
+    os.kill(core.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
+    assert info.value.status_code == 503 and "Traceback" not in info.value.body["message"]
+
+    def answers() -> bool:
+        try:
+            return client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
+        except (openai.APIStatusError, openai.APIConnectionError):
+            return False
+
+    wait_until(answers, timeout=120, interval=1.0, what="a new ingress replica, with a new engine, answering")
+    assert requests.get(f"{base_url}/health", timeout=10).json() == {"status": "ok"}
