@@ -177,9 +177,13 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     (benchmarks/results/server_defaults/). Several replicas, a tensor- or pipeline-parallel engine, a
     GPU, or an explicit `num_cpus` keep the one-CPU reservation: replicas must not fight over cores.
     Its KV cache gets an eighth of the machine's memory, at most 4 GiB (`server_cpu_kv_cache_bytes`).
-    Light steps (decode only, or a few tokens) leave one core to those processes, whose work grows
-    with the tokens streamed (`light_step_cpu_threads`): there a second model thread gains less than
-    the stalls it suffers cost (model_runner.StepThreads).
+    With the engine in an LLMServer replica (`engine_host` 'replicas'), light steps (decode only,
+    or a few tokens) leave one core to the processes between it and the client, whose work grows
+    with the tokens streamed (`light_step_cpu_threads`): there a second model thread gained less
+    than the stalls it suffered cost (model_runner.StepThreads). With the engine in the ingress
+    ('ingress', what 'auto' becomes here) one such process is gone, and every step takes every
+    core: 1.14-1.18x the output tokens at 256 in flight, 1.14x at 32, 1.10x at 8 (2-core Zen 5;
+    docs/benchmarks.md).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
     wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 19 ms against 23.7 in one
     process (the same files)."""
@@ -190,7 +194,7 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     cores = float(resources.get("CPU", os.cpu_count() or 1))
     update: dict = {"deployment": deployment.model_copy(update={"num_cpus": cores})}
     engine_defaults = {"engine_core_process": True, "kv_cache_memory_bytes": server_cpu_kv_cache_bytes()}
-    if cores >= 2:
+    if cores >= 2 and config.engine_host == "replicas":
         engine_defaults["light_step_cpu_threads"] = int(cores) - 1
     update["engine"] = {**engine_defaults, **config.engine}  # what the user said wins
     return config.model_copy(update=update)

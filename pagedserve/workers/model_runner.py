@@ -174,6 +174,10 @@ class StepThreads:
       burst 32 against 41 s (its two threads had spent the rest waiting for each other).
       Not measured on a Zen 4, where the 16-token limit above (which ran decodes of 5-16 rows on
       one thread too) had cost throughput.
+    - with the engine in the ingress's process (`engine_host: ingress`, one process fewer per
+      streamed token), every step on both threads wins instead: 653-692 against 573-589 tok/s at
+      256 in flight, 567-574 against 500-503 at 32, 355-363 against 314-329 at 8 (2-core Zen 5), so
+      `pagedserve serve` sets no light count there (cluster/launcher.py: machine_defaults).
 
     Every CPU step also checks the count on the thread that runs it: a thread takes its count
     from the process-wide setting when it first runs a parallel op, and another thread (the

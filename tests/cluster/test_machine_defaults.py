@@ -45,12 +45,20 @@ def test_a_gpu_node_keeps_one_cpu():
     assert machine_defaults(ServerConfig(), {"CPU": 16.0, "GPU": 1.0}).deployment.num_cpus == 1.0
 
 
-def test_light_steps_leave_a_core_to_serve():
-    assert machine_defaults(ServerConfig(), TWO_CORES).engine["light_step_cpu_threads"] == 1
-    assert machine_defaults(ServerConfig(), {"CPU": 8.0}).engine["light_step_cpu_threads"] == 7
-    said = ServerConfig(engine={"light_step_cpu_threads": 2})
+def test_light_steps_leave_a_core_to_serve_where_the_engine_runs_in_a_replica():
+    replicas = ServerConfig(engine_host="replicas")
+    assert machine_defaults(replicas, TWO_CORES).engine["light_step_cpu_threads"] == 1
+    assert machine_defaults(replicas, {"CPU": 8.0}).engine["light_step_cpu_threads"] == 7
+    said = ServerConfig(engine_host="replicas", engine={"light_step_cpu_threads": 2})
     assert machine_defaults(said, TWO_CORES).engine["light_step_cpu_threads"] == 2
-    assert "light_step_cpu_threads" not in machine_defaults(ServerConfig(), {"CPU": 1.0}).engine
+    assert "light_step_cpu_threads" not in machine_defaults(replicas, {"CPU": 1.0}).engine
+
+
+def test_every_step_takes_every_core_where_the_engine_runs_in_the_ingress():
+    engine = machine_defaults(ServerConfig(engine_host="ingress"), TWO_CORES).engine
+    assert "light_step_cpu_threads" not in engine and engine["engine_core_process"] is True
+    said = ServerConfig(engine_host="ingress", engine={"light_step_cpu_threads": 1})
+    assert machine_defaults(said, TWO_CORES).engine["light_step_cpu_threads"] == 1
 
 
 def test_the_engine_core_gets_its_own_process_unless_said_otherwise():
