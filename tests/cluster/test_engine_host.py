@@ -1,8 +1,8 @@
 """The engine in the ingress replica's process (`engine_host: ingress`, cluster/local_engine.py),
 the layout `pagedserve serve` runs by default: where 'auto' puts the engine, what is refused, the
 in-process calls, and the OpenAI routes against it on real Ray Serve with the real `openai`
-client. The app here is its own: its deployment graph (an ingress holding the engine, no
-LLMServer deployment) is no other module's. tests/cluster/test_cli_serve.py runs it through
+client, LoRA adapters by name and loaded at runtime included. The app here is its own: its
+deployment graph (an ingress holding the engine, no LLMServer deployment) is no other module's. tests/cluster/test_cli_serve.py runs it through
 `pagedserve serve`; every other served module runs LLMServer replicas."""
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from pagedserve.cluster.launcher import resolved_engine_host
 from pagedserve.cluster.local_engine import LocalEngineClient, LocalServer
 from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
 from tests.cluster.conftest import deploy, metric_per_replica, metric_values, wait_until
+from tests.lora.conftest import lora_adapters, lora_request  # noqa: F401 (lora_adapters: a fixture)
 
 MODEL = "tiny-llama-local"
 MAX_MODEL_LEN = 512
 APP = "engine-in-ingress"
 PREFIX = "/local"
+LORA_ENGINE = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 
 
 # ---- where the engine runs -----------------------------------------------------------------
@@ -118,12 +120,17 @@ def test_a_consumer_that_stops_early_closes_the_engine_stream():
 
 
 @pytest.fixture(scope="module")
-def base_url(serve_url, model_dirs):
+def base_url(serve_url, model_dirs, lora_adapters):
     from ray import serve
 
-    # The engine core in its own process, as `pagedserve serve` runs it on a machine of its own.
-    engine = {"max_model_len": MAX_MODEL_LEN, "engine_core_process": True}
-    config = ServerConfig(model=str(model_dirs["llama"]), served_model_name=MODEL, engine_host="ingress", engine=engine)
+    # The engine core in its own process, as `pagedserve serve` runs it on a machine of its own;
+    # an adapter served by name, and others loadable at runtime from its folder.
+    engine = {"max_model_len": MAX_MODEL_LEN, "engine_core_process": True, **LORA_ENGINE}
+    adapters = lora_adapters["llama"]
+    config = ServerConfig(
+        model=str(model_dirs["llama"]), served_model_name=MODEL, engine_host="ingress", engine=engine,
+        lora_modules=[f"qv4={adapters['qv4']}"], lora_dirs=[str(adapters["qv4"].parent)],
+    )
     deploy(config, APP, PREFIX)
     yield serve_url + PREFIX
     serve.delete(APP)
@@ -136,7 +143,7 @@ def client(base_url) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), max_model_len=MAX_MODEL_LEN)
+    llm = LLM(str(model_dirs["llama"]), max_model_len=MAX_MODEL_LEN, **LORA_ENGINE)
     yield llm
     llm.shutdown()
 
@@ -208,7 +215,7 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(base_url):
 
 
 def test_models_health_tokenize_detokenize(client, base_url, offline):
-    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert [model.id for model in client.models.list().data] == [MODEL, "qv4"]
     assert requests.get(f"{base_url}/health", timeout=10).json() == {"status": "ok"}
     tokens = requests.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "café 日本"}, timeout=10).json()
     assert tokens["tokens"] == offline.get_tokenizer().encode("café 日本")
@@ -216,6 +223,23 @@ def test_models_health_tokenize_detokenize(client, base_url, offline):
     assert text == {"prompt": "café 日本"}
     bad = requests.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": [10**9]}, timeout=10)
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_adapters_by_name_and_loaded_at_runtime_match_offline(base_url, client, offline, lora_adapters):
+    """The adapter routes reach the engine in this process too (`check_lora`, then the engine
+    loads the weights with the first request); unloaded, the name is a 404 again."""
+    adapters = lora_adapters["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    for name in ("qv4", "all8"):
+        if name == "all8":
+            loaded = requests.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters[name])}, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+        [expected] = offline.generate(["Hello, my name is"], params, use_tqdm=False, lora_request=lora_request(adapters, name))
+        got = client.completions.create(model=name, prompt="Hello, my name is", max_tokens=12, temperature=0.0)
+        assert got.choices[0].text == expected.outputs[0].text, name
+    assert requests.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "all8"}, timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="all8", prompt="Hi", max_tokens=2)
 
 
 def test_a_dead_engine_is_503_until_serve_replaces_the_ingress(client, base_url, ray_cluster):
