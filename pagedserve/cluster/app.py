@@ -95,19 +95,19 @@ def _ingress_deployment(config: ServerConfig, engine_resources: dict[str, Any] |
     from pagedserve.cluster.ingress import OpenAIIngress
     from pagedserve.cluster.serve_engine_client import ingress_env_vars
 
-    options: dict[str, Any] = dict(
-        name=INGRESS_DEPLOYMENT,
-        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
-        graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
-        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
-    )
-    runtime_env = {"env_vars": ingress_env_vars()}
     if engine_resources is None:
-        options.update(ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env}, max_surge_percent=INGRESS_MAX_SURGE_PERCENT)
+        options: dict[str, Any] = dict(
+            ray_actor_options={"num_cpus": 0},
+            graceful_shutdown_timeout_s=max(INGRESS_GRACEFUL_SHUTDOWN_S, config.graceful_shutdown_s),
+            max_surge_percent=INGRESS_MAX_SURGE_PERCENT,
+        )
     else:  # no engine replica's handover to wait for: its streams get the engine's grace period
-        options.update(num_replicas=1, health_check_period_s=5, graceful_shutdown_timeout_s=config.graceful_shutdown_s, **engine_resources)
-        options["ray_actor_options"] = {**engine_resources["ray_actor_options"], "runtime_env": runtime_env}
-    return serve.deployment(OpenAIIngress, **options)
+        options = dict(engine_resources, graceful_shutdown_timeout_s=config.graceful_shutdown_s, num_replicas=1, health_check_period_s=5)
+    options["ray_actor_options"] = {**options["ray_actor_options"], "runtime_env": {"env_vars": ingress_env_vars()}}
+    return serve.deployment(
+        OpenAIIngress, name=INGRESS_DEPLOYMENT, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S, **options,
+    )
 
 
 def _server_deployment(config: ServerConfig, worker_bundles: list[dict[str, float]]) -> Any:
@@ -132,11 +132,10 @@ def _engine_resources(config: ServerConfig, worker_bundles: list[dict[str, float
     """Serve options that reserve what the deployment hosting the engine needs: its CPUs, and a
     placement group (that process first, then one bundle per rank in order) where ranks run apart."""
     num_cpus = config.deployment.num_cpus
-    if not worker_bundles:
-        return {"ray_actor_options": {"num_cpus": num_cpus}}
-    # The one place the layout is decided: the engine's host, then its ranks in order.
-    bundles = [{"CPU": num_cpus}, *worker_bundles]
-    return {"ray_actor_options": {"num_cpus": num_cpus}, "placement_group_bundles": bundles, "placement_group_strategy": "PACK"}
+    resources: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus}}
+    if worker_bundles:  # the one place the layout is decided: the engine's host, then its ranks in order
+        resources.update(placement_group_bundles=[{"CPU": num_cpus}, *worker_bundles], placement_group_strategy="PACK")
+    return resources
 
 
 def serving_options(config: ServerConfig) -> Any:

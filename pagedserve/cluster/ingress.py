@@ -21,6 +21,7 @@ from ray import serve
 
 from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.generation_defaults import GenerationDefaults
+from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.http_errors import add_error_handlers
 from pagedserve.cluster.local_engine import LocalEngineClient, LocalServer
 from pagedserve.cluster.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, allowed_adapter_path
@@ -121,9 +122,11 @@ def _local_servers(config: Any, worker_bundle_indices: tuple[int, ...], metrics_
 
 
 def _engine_client(handle: Any, options: ServingOptions) -> Any:
+    """The EngineClient for `handle`: a deployment's streams go on on another replica when
+    theirs leaves (a downscale, a redeploy, a drain); an engine in this process never leaves."""
     if isinstance(handle, LocalServer):
         return LocalEngineClient(handle)
-    return ServeEngineClient(handle, options.engine_transport)
+    return ResumingClient(ServeEngineClient(handle, options.engine_transport))
 
 
 def key_digest(key: str) -> str:

@@ -112,8 +112,7 @@ def resolved_engine_host(config: ServerConfig, starts_ray: bool) -> str:
     tokens and TTFT p50 4.6 against 5.1-5.2 s (local_engine.py, docs/benchmarks.md)."""
     if config.engine_host != "auto":
         return config.engine_host
-    one_engine = config.deployment.num_replicas == 1 and not config.deployment.scales
-    return "ingress" if starts_ray and one_engine else "replicas"
+    return "ingress" if starts_ray and config.deployment.is_one_fixed_replica else "replicas"
 
 
 def direct_ingress_environment(port: int, environ: dict | None = None) -> None:

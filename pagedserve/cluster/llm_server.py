@@ -76,6 +76,7 @@ class LLMServer:
             threading.Thread(target=self._report_stats, name="pagedserve-stats", daemon=True).start()
         # Serve constructs the replica on its event loop, where generate runs too.
         self.drain = ReplicaDrain(Handover(replica_id.unique_id), config.drain_timeout_s, self._exit_drained)
+        self.drains_on_sigterm = drains_on_sigterm
         if drains_on_sigterm:
             SigtermHook(self.drain.on_sigterm).install()
 
@@ -94,8 +95,10 @@ class LLMServer:
             outputs = self.llm.generate(prompt, params, request_id, resume, lora_request)
             if params.output_kind == RequestOutputKind.DELTA:
                 outputs = self._batched(outputs)
+            # Without a drain nothing can move the stream: no race against one on every item.
+            stream = self.drain.stream(outputs, params) if self.drains_on_sigterm else outputs
             try:
-                async for output in self.drain.stream(outputs, params):
+                async for output in stream:
                     yield output
             finally:  # closed early (the client went away): the engine aborts the request now
                 await outputs.aclose()

@@ -52,15 +52,11 @@ class LocalMethod:
 
 
 class LocalEngineClient:
-    """The ingress's EngineClient for a LocalServer: its `generate` stream, iterated directly."""
+    """The ingress's EngineClient for a LocalServer: its `generate` stream, iterated directly
+    (not through handover.ResumingClient, which races every read against a replica leaving)."""
 
     def __init__(self, server: LocalServer):
         self.server = server.server
-
-    async def is_shutting_down(self) -> bool:
-        """Never asked in practice (only a stream's Handover prompts it, and a local engine hands
-        nothing over); if it were, no other replica could take a stream: it ends where it is."""
-        return True
 
     async def generate(self, request_id: str, prompt: ServerPrompt, params: SamplingParams, resume: Any = None) -> AsyncIterator[StreamItem]:
         stream = self.server.generate(request_id, prompt, params, resume)

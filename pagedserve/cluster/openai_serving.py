@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from pagedserve.cluster import openai_format as fmt
 from pagedserve.cluster.chat_output import ChatOutput
 from pagedserve.cluster.generation_defaults import GenerationDefaults
-from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.stream_items import ErrorInfo, StreamItem
 from pagedserve.cluster.stream_merge import merge_streams
 from pagedserve.cluster.stream_race import cancel_and_wait
@@ -97,14 +96,14 @@ class OpenAIServing:
         defaults: GenerationDefaults | None = None,
         lora_request: LoRARequest | None = None,
     ):
-        """`renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
+        """`client`: the engine (the ingress wraps a deployment's in handover.ResumingClient, so
+        streams whose replica leaves go on on another). `renderer`: turns prompts into token ids before they are sent (the Serve ingress, so
         the request router sees tokens); None: the engine tokenizes. `options`: the server's
         tool-call and reasoning parsers; `defaults`: the model's sampling defaults.
         `lora_request`: the adapter `model_name` names (it travels with each prompt)."""
         self.model_name = model_name
         self.lora_request = lora_request
-        # Streams whose replica leaves (a downscale, a redeploy, a drain) go on on another.
-        self.client = ResumingClient(client)
+        self.client = client
         self.limits = limits
         self.renderer = renderer
         self.options = options

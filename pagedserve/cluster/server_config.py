@@ -133,9 +133,9 @@ class DeploymentConfig(BaseModel):
         return self
 
     @property
-    def scales(self) -> bool:
-        """Whether the replica count is Serve's autoscaler's to change."""
-        return self.autoscaling is not None or self.autoscaling_config is not None
+    def is_one_fixed_replica(self) -> bool:
+        """One replica, and no autoscaler to change that (what an engine in the ingress needs)."""
+        return self.num_replicas == 1 and self.autoscaling is None and self.autoscaling_config is None
 
     @property
     def max_num_replicas(self) -> int:
@@ -283,8 +283,7 @@ class ServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _engine_in_ingress_is_one_engine(self) -> ServerConfig:
-        deployment = self.deployment
-        if self.engine_host == "ingress" and (deployment.scales or deployment.num_replicas != 1):
+        if self.engine_host == "ingress" and not self.deployment.is_one_fixed_replica:
             raise ValueError(
                 "engine_host 'ingress' runs one engine, in the ingress's process: it cannot have deployment.num_replicas > 1 "
                 "or autoscaling; use engine_host 'replicas' (or 'auto') to scale"
