@@ -8,7 +8,8 @@ for the replica (`deployment.num_cpus`, default one CPU), then one bundle per TP
 indices the replica hands down to its executor. A CPU-only, single-rank engine runs in the
 replica itself. With `engine_host: ingress` there is no LLMServer deployment: the one ingress
 replica builds the LLMServer in its own process (cluster/local_engine.py) and takes the
-reservation and placement group an engine replica would have had.
+reservation and placement group an engine replica would have had; the metrics hub is an object
+in that process too, not a deployment.
 """
 
 from __future__ import annotations
@@ -62,16 +63,16 @@ def build_app(args: dict[str, Any] | ServerConfig | None = None) -> Any:
     config, worker_bundles = place_workers(config)
     worker_bundle_indices = tuple(range(1, 1 + len(worker_bundles)))  # bundle 0 holds the engine's host
 
-    hub = serve.deployment(
-        MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
-    ).bind()
     # A replica needs no deployment options (Serve applies them), and its arguments must not
     # depend on the deployment's scale.
     replica_config = config.model_copy(update={"deployment": DeploymentConfig()})
-    if config.engine_host == "ingress":  # local_engine.py: the ingress holds the engine and its resources
-        servers, local_engine = {}, (replica_config, worker_bundle_indices)
+    if config.engine_host == "ingress":  # local_engine.py: the ingress holds the engine, its resources and the hub
+        servers, local_engine, hub = {}, (replica_config, worker_bundle_indices), None
         ingress = _ingress_deployment(config, _engine_resources(config, worker_bundles))
     else:
+        hub = serve.deployment(
+            MetricsHub, name=HUB_DEPLOYMENT, num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+        ).bind()
         server = _server_deployment(config, worker_bundles).bind(replica_config, hub, worker_bundle_indices)
         servers, local_engine = {config.model_name: server}, None
         ingress = _ingress_deployment(config)

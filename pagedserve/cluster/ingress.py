@@ -23,8 +23,9 @@ from pagedserve.cluster.cached_result import CachedResult
 from pagedserve.cluster.generation_defaults import GenerationDefaults
 from pagedserve.cluster.handover import ResumingClient
 from pagedserve.cluster.http_errors import add_error_handlers
-from pagedserve.cluster.local_engine import LocalEngineClient, LocalServer
+from pagedserve.cluster.local_engine import LocalEngineClient, LocalHub, LocalServer
 from pagedserve.cluster.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, allowed_adapter_path
+from pagedserve.cluster.metrics_hub import MetricsHub
 from pagedserve.cluster.openai_serving import APIError, OpenAIServing, RequestLimits
 from pagedserve.cluster.prompt_renderer import PromptRenderer
 from pagedserve.cluster.serving_options import ServingOptions
@@ -167,6 +168,7 @@ class OpenAIIngress:
         `servers` (`engine_host: ingress`, local_engine.py)."""
         limits, options = limits or {}, options or {}
         if local_engine is not None:
+            metrics_hub = metrics_hub or LocalHub(MetricsHub())
             servers = {**servers, **_local_servers(*local_engine, metrics_hub)}
         self.servers = servers  # served model name -> LLMServer handle (or LocalServer)
         self.servings = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import openai
 import psutil
@@ -18,8 +19,10 @@ import requests
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.cluster.launcher import resolved_engine_host
-from pagedserve.cluster.local_engine import LocalEngineClient, LocalServer
+from pagedserve.cluster.local_engine import LocalEngineClient, LocalHub, LocalServer
+from pagedserve.cluster.metrics_hub import MetricsHub
 from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
+from pagedserve.engine.metrics import EngineStats
 from tests.cluster.conftest import deploy, metric_per_replica, metric_values, wait_until
 from tests.lora.conftest import lora_adapters, lora_request  # noqa: F401 (lora_adapters: a fixture)
 
@@ -116,6 +119,28 @@ def test_a_consumer_that_stops_early_closes_the_engine_stream():
     assert fake.closed == ["r1"]  # the engine request's stream closed: LLMServer aborts it
 
 
+def test_the_local_hub_answers_the_loop_and_the_stats_thread_alike():
+    """The routes await the hub's methods; the engine's statistics thread reads `result()`. A
+    retired adapter id reaches the engine through the report's reply, as from the deployment."""
+    hub = LocalHub(MetricsHub())
+    assert hub.report.remote("m", "r1", EngineStats()).result(timeout_s=10) == []
+
+    async def routes():
+        first = await asyncio.wait_for(hub.new_lora_id.remote(5), 1)
+        await hub.retire_lora.remote("m", first)
+        return first, await hub.new_lora_id.remote(1), await hub.render.remote()
+
+    first, second, text = asyncio.run(routes())
+    assert (first, second) == (5, 6)  # never an id handed out before
+    assert 'pagedserve:num_requests_running{model_name="m",replica="r1"}' in text
+    replies = []
+    reporter = threading.Thread(target=lambda: replies.append(hub.report.remote("m", "r1", EngineStats()).result(timeout_s=10)))
+    reporter.start()
+    reporter.join()
+    assert replies == [[5]]
+    assert not hasattr(hub, "__deepcopy__")
+
+
 # ---- served -------------------------------------------------------------------------------
 
 
@@ -152,10 +177,11 @@ def greedy(offline: LLM, prompt, max_tokens: int = 16):
     return offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].outputs[0]
 
 
-def test_the_app_has_no_engine_deployment_and_the_ingress_reports_the_engine(base_url, client):
+def test_the_app_is_the_ingress_alone_and_its_metrics_are_the_engines(base_url, client):
+    """No LLMServer and no MetricsHub deployment: the engine and the hub live in the ingress."""
     from ray import serve
 
-    assert set(serve.status().applications[APP].deployments) == {"OpenAIIngress", "MetricsHub"}
+    assert set(serve.status().applications[APP].deployments) == {"OpenAIIngress"}
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     running = wait_until(lambda: metric_per_replica(base_url, "pagedserve:num_requests_running", MODEL), timeout=10)
     assert [replica for replica in running if "OpenAIIngress" in replica] == list(running), running
