@@ -90,12 +90,13 @@ def _unwrap(value: Any) -> Any:
 
 
 def _renderer(handle: Any) -> PromptRenderer:
-    """Tokenization in the ingress, with the tokenizer of the engine behind `handle`."""
+    """Tokenization in the ingress, with the tokenizer of the engine behind `handle` (an engine in
+    this process lends its own, loaded once, and its thread)."""
 
     async def fetch_spec() -> dict[str, Any]:
         return await handle.prompt_spec.remote()
 
-    renderer = PromptRenderer(fetch_spec)
+    renderer = PromptRenderer(fetch_spec, handle.server.tokenizer if isinstance(handle, LocalServer) else None)
     renderer.start()
     return renderer
 
@@ -168,7 +169,7 @@ class OpenAIIngress:
         `servers` (`engine_host: ingress`, local_engine.py)."""
         limits, options = limits or {}, options or {}
         if local_engine is not None:
-            metrics_hub = metrics_hub or LocalHub(MetricsHub())
+            metrics_hub = LocalHub(MetricsHub()) if metrics_hub is None else metrics_hub
             servers = {**servers, **_local_servers(*local_engine, metrics_hub)}
         self.servers = servers  # served model name -> LLMServer handle (or LocalServer)
         self.servings = {}

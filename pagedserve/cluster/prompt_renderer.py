@@ -7,6 +7,8 @@ conversion: model_resolver.resolve_tokenizer_source) for the engine's `model` / 
 `revision` (asked of an LLMServer replica when the ingress starts, so the ingress's arguments do
 not change). Text is length-checked against the engine's max_model_len before it is encoded, and
 encoded on a thread of its own, never on the ingress's event loop (cluster/tokenizer_thread.py).
+With the engine in the ingress's own process (`engine_host: ingress`) there is nothing to load:
+the renderer takes the engine's tokenizer and its thread.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 class PromptRenderer:
-    def __init__(self, fetch_spec: Callable[[], Awaitable[dict[str, Any]]]):
-        """`fetch_spec`: returns LLMServer.prompt_spec() (the engine's model, tokenizer and revision)."""
+    def __init__(self, fetch_spec: Callable[[], Awaitable[dict[str, Any]]], tokenizer: TokenizerThread | None = None):
+        """`fetch_spec`: returns LLMServer.prompt_spec() (the engine's model, tokenizer and revision).
+        `tokenizer`: one already loaded in this process (the engine's): nothing is fetched or loaded."""
         self.fetch_spec = fetch_spec
+        self._ready = tokenizer
         self._loading: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -34,7 +38,7 @@ class PromptRenderer:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        if self._loading is None:
+        if self._loading is None and self._ready is None:
             self._loading = asyncio.create_task(self._load())
 
     async def render(self, prompt: ServerPrompt) -> ServerPrompt:
@@ -51,6 +55,8 @@ class PromptRenderer:
         return prompt
 
     async def _tokenizer(self) -> TokenizerThread | None:
+        if self._ready is not None:
+            return self._ready
         if self._loading is None:
             self._loading = asyncio.create_task(self._load())
         loading = self._loading

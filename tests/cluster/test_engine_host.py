@@ -18,11 +18,13 @@ import pytest
 import requests
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.cluster.ingress import _renderer
 from pagedserve.cluster.launcher import resolved_engine_host
 from pagedserve.cluster.local_engine import LocalEngineClient, LocalHub, LocalServer
 from pagedserve.cluster.metrics_hub import MetricsHub
 from pagedserve.cluster.server_config import AutoscalingConfig, DeploymentConfig, ServerConfig
 from pagedserve.engine.metrics import EngineStats
+from pagedserve.inputs import tokens_prompt
 from tests.cluster.conftest import deploy, metric_per_replica, metric_values, wait_until
 from tests.lora.conftest import lora_adapters, lora_request  # noqa: F401 (lora_adapters: a fixture)
 
@@ -78,6 +80,10 @@ def test_a_serve_config_which_scales_the_llmserver_deployment_refuses_the_ingres
 class _Server:
     def __init__(self):
         self.closed = []
+        self.tokenizer = _Tokenizer()
+
+    async def prompt_spec(self):
+        raise AssertionError("an engine in this process lends its tokenizer: nothing to fetch")
 
     async def tokenize(self, prompt, messages, add_special_tokens):
         return [len(prompt), add_special_tokens]
@@ -103,6 +109,18 @@ def test_local_methods_are_awaited_like_a_handles():
     with pytest.raises(RuntimeError, match="engine is dead"):
         server.check_health()
     assert not hasattr(server, "__deepcopy__")  # protocols probed by copy and pickle are not the server's methods
+
+
+class _Tokenizer:
+    async def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+def test_the_renderer_takes_the_engines_tokenizer_in_this_process():
+    """No second copy of the tokenizer, and no call to fetch where the engine's comes from."""
+    renderer = _renderer(LocalServer(_Server()))
+    assert asyncio.run(renderer.render("ab")) == tokens_prompt([97, 98], "ab")
+    assert asyncio.run(renderer.render(tokens_prompt([5]))) == tokens_prompt([5])
 
 
 def test_a_consumer_that_stops_early_closes_the_engine_stream():
