@@ -2,8 +2,9 @@
 the layout `pagedserve serve` runs by default: where 'auto' puts the engine, what is refused, the
 in-process calls, and the OpenAI routes against it on real Ray Serve with the real `openai`
 client, LoRA adapters by name and loaded at runtime included. The app here is its own: its
-deployment graph (an ingress holding the engine, no LLMServer deployment) is no other module's. tests/cluster/test_cli_serve.py runs it through
-`pagedserve serve`; every other served module runs LLMServer replicas."""
+deployment graph (an ingress holding the engine and the metrics hub, no other deployment) is no
+other module's. tests/cluster/test_cli_serve.py runs it through `pagedserve serve`; every other
+served module runs LLMServer replicas."""
 
 from __future__ import annotations
 
