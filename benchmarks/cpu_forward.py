@@ -28,7 +28,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Last, not first: a worker's PYTHONPATH names the tree it measures (common.run_in_tree), and this
+# checkout ahead of it made the baseline's worker import this tree's pagedserve.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402

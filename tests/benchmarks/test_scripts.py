@@ -135,6 +135,16 @@ def test_run_in_tree_imports_from_that_tree(tmp_path):
         common.run_in_tree(tmp_path, str(script), [])
 
 
+def test_cpu_forwards_worker_imports_the_tree_it_measures(tmp_path):
+    """Its worker (run_in_tree) must import pagedserve from the tree on PYTHONPATH: the script
+    once put this checkout ahead of it, so its baseline was this tree. (It imports pagedserve at
+    the top; engine_step_cpu.py and lora_kernel.py import it in the worker, from PYTHONPATH.)"""
+    (tmp_path / "pagedserve").mkdir()
+    (tmp_path / "pagedserve" / "__init__.py").write_text("raise ImportError('the tree under test was imported')\n")
+    with pytest.raises(RuntimeError, match="the tree under test was imported"):
+        common.run_in_tree(tmp_path, str(BENCHMARKS / "cpu_forward.py"), ["--help"])
+
+
 def test_timing_helpers():
     calls = []
     assert common.least_ms(lambda: calls.append(1), repeats=3) >= 0
