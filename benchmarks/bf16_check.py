@@ -14,9 +14,14 @@ Two correct bf16 implementations part wherever float32's top two are closer than
 on SmolLM2-135M, HF bf16 picks HF float32's token at only 96% of positions, and our engine at 98%,
 so a fixed 99% agreement between the two bf16 runs would fail a correct engine. The bounds are
 therefore HF's own bf16 error, measured on the same tokens:
-- top-1: the engine picks float32's token at least as often as HF bf16 does, less AGREEMENT_SLACK
-  (one position in a hundred: a few hundred positions are compared). A wrong fast path falls far
-  below it;
+- top-1: the engine picks float32's token at least as often as HF bf16 does, less what chance
+  allows. The two counts differ only where the engine's token is not HF bf16's: on each of those
+  `d` positions at most one of the two is float32's. Two equally good roundings win these like
+  coins, so the engine's shortfall has a standard deviation of at most sqrt(d); the bound is
+  SIGMAS of them, and never less than AGREEMENT_SLACK (one position in a hundred). With 157
+  teacher-forced positions a fixed 1% was a position and a half: a correct engine on a Zen 3
+  (torch's own bf16 GEMM) fell two short, 150 against 152, on four disagreements. A wrong fast path
+  disagrees at many positions and loses most of them, which the bound still fails;
 - the mean logprob gap: both bf16 runs approximate the same float32 one, so
   |ours - HF_bf16| <= |ours - fp32| + |fp32 - HF_bf16|. An engine no less precise than HF's bf16
   gives a mean gap of at most twice HF bf16's own mean distance from float32 (GAP_FACTOR).
@@ -24,11 +29,13 @@ therefore HF's own bf16 error, measured on the same tokens:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 AGREEMENT_SLACK = 0.01
+SIGMAS = 3.0
 GAP_FACTOR = 2.0
 
 
@@ -43,11 +50,18 @@ class Closeness:
     bound: float  # GAP_FACTOR * hf_bf16_vs_fp32
 
     @property
+    def top1_shortfall_allowed(self) -> float:
+        """How far top1_vs_fp32 may fall below HF bf16's own, as a share of the positions."""
+        disagreements = round((1 - self.top1_agreement) * self.positions)
+        return max(AGREEMENT_SLACK, SIGMAS * math.sqrt(disagreements) / max(self.positions, 1))
+
+    @property
     def passed(self) -> bool:
-        return self.top1_vs_fp32 >= self.hf_bf16_top1_vs_fp32 - AGREEMENT_SLACK and self.mean_gap <= self.bound
+        return self.top1_vs_fp32 >= self.hf_bf16_top1_vs_fp32 - self.top1_shortfall_allowed and self.mean_gap <= self.bound
 
     def summary(self) -> dict:
-        return {key: round(value, 4) if isinstance(value, float) else value for key, value in asdict(self).items()} | {"passed": self.passed}
+        figures = asdict(self) | {"top1_shortfall_allowed": self.top1_shortfall_allowed}
+        return {key: round(value, 4) if isinstance(value, float) else value for key, value in figures.items()} | {"passed": self.passed}
 
 
 @torch.inference_mode()
