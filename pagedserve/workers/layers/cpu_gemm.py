@@ -9,8 +9,16 @@ to MKL, which on a Zen 5 ran SmolLM2's layers 1.9-2.5x slower than oneDNN's pack
 differ by float rounding, as the native attention kernels already do from Hugging Face's; the
 exactness tests hold the greedy tokens to Hugging Face's. oneDNN makes a primitive per row count,
 and the caches that keep them are bounded at pagedserve's import (onednn_caches.py): unbounded,
-they grew the soak test's server by 279 MiB in 6 s. Half-precision layers whose dtype oneDNN
-cannot pack on this CPU (`packs_dtype`) stay on `F.linear`.
+they grew the soak test's server by 279 MiB in 6 s.
+
+Where oneDNN has no bfloat16 GEMM on this CPU (no AVX-512: Zen 3, Intel before Skylake-SP),
+torch's `F.linear` falls back to a generic bf16 loop, 5-8x slower than oneDNN's float32 GEMM from
+16 rows up on a Zen 3 (level at one row; SmolLM2's layer shapes, scratch timing). There a bfloat16
+weight is packed as its exact float32 copy ("widened"), and `onednn_linear` takes the bf16 input
+up to float32 and the result back down. That is a bf16 GEMM's own arithmetic: bf16 values and their
+products are exact in float32, the sum runs in float32, and the result is rounded to bf16 once. It
+costs twice the weight memory; `PAGEDSERVE_WIDE_BF16_GEMM=0` keeps those layers on `F.linear`.
+Other half-precision layers whose dtype oneDNN cannot pack (`packs_dtype`) stay on `F.linear`.
 
 A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
@@ -23,9 +31,16 @@ row counts take it on the CPU at hand, the model runner times at start-up (small
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from pagedserve.kernels import native_build
+
+logger = logging.getLogger(__name__)
+
+ENV_WIDE_BF16 = "PAGEDSERVE_WIDE_BF16_GEMM"
 
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
@@ -40,8 +55,18 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.numel() > 0
-        and packs_dtype(weight.dtype)
+        and packed_dtype(weight.dtype) is not None
     )
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a `dtype` weight is packed in here: its own where oneDNN packs it; float32 for
+    bfloat16 where oneDNN has no bf16 GEMM (widened, see above); None: it stays on `F.linear`."""
+    if packs_dtype(dtype):
+        return dtype
+    if dtype == torch.bfloat16 and os.environ.get(ENV_WIDE_BF16, "1") != "0" and packs_dtype(torch.float32):
+        return torch.float32
+    return None
 
 
 def packs_dtype(dtype: torch.dtype) -> bool:
@@ -61,8 +86,9 @@ def packs_dtype(dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in]) in oneDNN's layout, for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    """`weight` ([out, in]) in oneDNN's layout, for `linear`; widened to float32 where
+    `packed_dtype` says so."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(packed_dtype(weight.dtype)), BATCH_HINT)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +106,11 @@ def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # A widened weight: the bf16 input and bias up to float32, the result rounded back once.
+    wide_bias = bias.to(packed.dtype) if bias is not None else None
+    return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, wide_bias, "none", [], "").to(x.dtype)
 
 
 def kernel_rows() -> frozenset[int]:
@@ -114,7 +144,15 @@ def pack_model(model: torch.nn.Module, exclude: torch.nn.Module | None = None) -
     how many did."""
     skipped = set(exclude.modules()) if exclude is not None else set()
     layers = [m for m in model.modules() if hasattr(m, "pack_for_cpu") and m not in skipped]
-    return sum(1 for layer in layers if layer.pack_for_cpu())
+    packed = [layer for layer in layers if layer.pack_for_cpu()]
+    widened = [layer for layer in packed if layer.packed_weight.dtype != layer.weight.dtype]
+    if widened:
+        logger.info(
+            "%d bfloat16 linear layers packed as exact float32 copies: oneDNN has no bf16 GEMM on this CPU, "
+            "and torch's fallback is 5-8x slower; the weights take twice the memory (%s=0: keep them on F.linear)",
+            len(widened), ENV_WIDE_BF16,
+        )  # fmt: skip
+    return len(packed)
 
 
 def has_packed(model: torch.nn.Module) -> bool:
