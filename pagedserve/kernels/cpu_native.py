@@ -32,12 +32,13 @@ def is_available() -> bool:
 
 
 def attention_path_counts() -> dict[str, int]:
-    """(query token, KV head) tasks run on each attention path in this process so far: "avx512"
-    (the served shapes) and "portable" (any other head_dim or group, or a CPU without AVX-512)."""
+    """(query token, KV head) tasks run on each attention path in this process so far: "vector"
+    (the served shapes, on the AVX-512 or AVX2 path the build compiled: `compiled_paths`) and
+    "portable" (any other head_dim or group, or a CPU with neither)."""
     if not native_build.load():
-        return {"avx512": 0, "portable": 0}
+        return {"vector": 0, "portable": 0}
     fast, portable = torch.ops.pagedserve_cpu.attention_path_counts()
-    return {"avx512": fast, "portable": portable}
+    return {"vector": fast, "portable": portable}
 
 
 def write_kv_cache(

@@ -203,16 +203,20 @@ def test_fused_rotary_matches_the_torch_layer(dtype):
 
 # /proc/cpuinfo flag(s) -> the path a -march=native build of this machine must have compiled.
 PROMISED_PATHS = {("avx512f",): "avx512", ("avx512f", "avx512_bf16"): "avx512_bf16", ("avx512bw", "avx512_bf16"): "small_linear_bf16"}
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the eight-lane path, compiled where AVX-512 is not
 
 
 def test_the_build_compiled_every_path_this_cpu_promises():
-    """A CPU whose flags promise AVX-512 (or AVX-512 BF16) must get those paths: a build that
-    missed them (a wrong -march, an old compiler) would pass every output test on the portable
-    loop and lose the speed silently."""
+    """A CPU whose flags promise AVX-512 (or AVX-512 BF16, or AVX2 without AVX-512) must get
+    those paths: a build that missed them (a wrong -march, an old compiler) would pass every
+    output test on the portable loop and lose the speed silently."""
     flags = set(native_build._cpu_flags().split())
     promised = {path for needs, path in PROMISED_PATHS.items() if flags.issuperset(needs)}
+    if "avx512f" not in flags and flags.issuperset(AVX2_FLAGS):
+        promised.add("avx2")
     compiled = cpu_native.compiled_paths()
     assert promised <= compiled, f"this CPU has {sorted(promised)}; the build compiled only {sorted(compiled)}"
+    assert not {"avx512", "avx2"} <= compiled  # one vector width per build
 
 
 @pytest.mark.parametrize(
@@ -221,15 +225,15 @@ def test_the_build_compiled_every_path_this_cpu_promises():
     ids=["group8_d64", "group3_d128", "d32", "group9"],
 )
 def test_the_kernel_reports_the_path_each_task_took(heads, head_dim, served):
-    """Served shapes (head_dim 64 or 128, 1 to 8 query heads per KV head) take the AVX-512 path
-    where it was compiled; any other shape takes the portable loop. One task per (query token,
-    KV head)."""
+    """Served shapes (head_dim 64 or 128, 1 to 8 query heads per KV head) take the vector path
+    (AVX-512 or AVX2) where it was compiled; any other shape takes the portable loop. One task
+    per (query token, KV head)."""
     query_lens, context_lens = CASES["mixed"]
     batch = make_batch(query_lens, context_lens, *heads, head_dim=head_dim, block_size=16, dtype=torch.float32)
     before = cpu_native.attention_path_counts()
     check_against_reference(batch)
     after = cpu_native.attention_path_counts()
     tasks = sum(query_lens) * heads[1]
-    fast = tasks if served and "avx512" in cpu_native.compiled_paths() else 0
-    assert after["avx512"] - before["avx512"] == fast
+    fast = tasks if served and {"avx512", "avx2"} & cpu_native.compiled_paths() else 0
+    assert after["vector"] - before["vector"] == fast
     assert after["portable"] - before["portable"] == tasks - fast

@@ -60,6 +60,13 @@ void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t width) {
         const __m512 silu = pagedserve::round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         pagedserve::store16(dst + i, _mm512_mul_ps(silu, pagedserve::load16(up + i)));
       }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      for (; i + 8 <= width; i += 8) {  // the same, eight at a time (Zen 3)
+        const __m256 g = pagedserve::load8(gate + i);
+        const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = pagedserve::round8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+        pagedserve::store8(dst + i, _mm256_mul_ps(silu, pagedserve::load8(up + i)));
+      }
 #endif
       for (; i < width; ++i) {
         const float g = to_float(gate[i]);

@@ -6,7 +6,9 @@
 // (query token, KV head) pair: the `group` query heads that share the KV head read each cached
 // key and value once, in the cache's own dtype, and accumulate in float32. bfloat16 goes tile by
 // tile with an online softmax (attend_tiles); float32 and float16 in two passes, scores then the
-// softmax-weighted sum of values (attend_per_key). Threads split the tasks by keys to read.
+// softmax-weighted sum of values (attend_per_key). Threads split the tasks by keys to read. On a
+// CPU without AVX-512 (Zen 3) every dtype takes the two passes, eight lanes wide (AVX2); a CPU
+// with neither, and shapes the paths are not built for, take the portable loop (attend_one).
 //
 // Measured on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64) on one thread of a Zen 5, the
 // least of 60 calls, against the two-pass kernel that came before for every dtype: 128 bf16
@@ -34,6 +36,12 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define PAGEDSERVE_VECTOR_ATTENTION 1
+using VectorLanes = pagedserve::Lanes16;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_VECTOR_ATTENTION 1
+using VectorLanes = pagedserve::Lanes8;  // CPUs without AVX-512 (Zen 3): the per-key passes, 8 lanes wide
 #endif
 
 namespace {
@@ -41,16 +49,20 @@ namespace {
 using pagedserve::to_float;
 
 // How many (query token, KV head) tasks each path has run since the library loaded: the tests
-// assert that a model of a served shape really took the AVX-512 path, which no output can show.
-std::atomic<int64_t> tasks_on_avx512{0};
+// assert that a model of a served shape really took the vector path (AVX-512, or AVX2 where the
+// CPU has no AVX-512), which no output can show.
+std::atomic<int64_t> tasks_on_vector_path{0};
 std::atomic<int64_t> tasks_on_portable_loop{0};
 
 // The instruction sets this build compiled paths for (-march=native decides): 1 the AVX-512
-// attention, 2 its AVX-512 BF16 dot products. A CPU whose flags promise more was built wrong.
+// attention, 2 its AVX-512 BF16 dot products, 4 the AVX2 attention (built only without AVX-512).
+// A CPU whose flags promise more was built wrong.
 int64_t attention_isa() {
   int64_t isa = 0;
 #if defined(__AVX512F__)
   isa |= 1;
+#elif defined(PAGEDSERVE_VECTOR_ATTENTION)
+  isa |= 4;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   isa |= 2;
@@ -58,7 +70,7 @@ int64_t attention_isa() {
   return isa;
 }
 
-std::vector<int64_t> attention_path_counts() { return {tasks_on_avx512.load(), tasks_on_portable_loop.load()}; }
+std::vector<int64_t> attention_path_counts() { return {tasks_on_vector_path.load(), tasks_on_portable_loop.load()}; }
 
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
@@ -317,90 +329,104 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
   return true;
 }
 
+#endif  // __AVX512F__
+
+#if defined(PAGEDSERVE_VECTOR_ATTENTION)
 // float32 and float16 (and bf16 without AVX-512 BF16): one key at a time, two passes (scores,
 // then the weighted values), each key loaded once for all G heads. Measured against the tiles
 // above, this stays ahead where no bf16 pair products apply: 1.15x on float32 prefill, where a
-// key is four vectors wide. G and C are constants so the accumulators live in registers.
-template <typename T, int64_t G, int64_t C>
+// key is four vectors wide. G and C (head_dim in vectors of L's width: 16 lanes with AVX-512, 8
+// with AVX2) are constants so the accumulators live in registers, or spill to L1 on AVX2's 16.
+template <typename L, typename T, int64_t G, int64_t C>
 bool attend_per_key(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
-                  int64_t context, const Shape& s, float scale, std::vector<float>& scratch) {
-  constexpr int64_t group = G, chunks = C, D = C * 16;
+                    int64_t context, const Shape& s, float scale, std::vector<float>& scratch) {
+  using V = typename L::V;
+  constexpr int64_t W = L::kWidth, D = C * W;
   const int64_t BS = s.block_size;
-  const int64_t padded = (context + 15) / 16 * 16;
-  scratch.resize(group * padded);
-  float* scores = scratch.data();  // [group, padded]
-  __m512 q[G][C];
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t c = 0; c < chunks; ++c) q[j][c] = _mm512_mul_ps(pagedserve::load16(query + j * D + c * 16), _mm512_set1_ps(scale));
+  const int64_t padded = (context + W - 1) / W * W;
+  scratch.resize(G * padded);
+  float* scores = scratch.data();  // [G, padded]
+  V q[G][C];
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t c = 0; c < C; ++c) q[j][c] = L::mul(L::load(query + j * D + c * W), L::set1(scale));
   const T* block = nullptr;
   for (int64_t t = 0; t < context; ++t) {
     if ((t & (BS - 1)) == 0) block = block_of(key_head, block_table, t, context, BS, D);
     const T* k = block + (t & (BS - 1)) * D;
-    __m512 acc[G];
-    for (int64_t j = 0; j < group; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 kc = pagedserve::load16(k + c * 16);
-      for (int64_t j = 0; j < group; ++j) acc[j] = _mm512_fmadd_ps(q[j][c], kc, acc[j]);
+    V acc[G];
+    for (int64_t j = 0; j < G; ++j) acc[j] = L::zero();
+    for (int64_t c = 0; c < C; ++c) {
+      const V kc = L::load(k + c * W);
+      for (int64_t j = 0; j < G; ++j) acc[j] = L::fmadd(q[j][c], kc, acc[j]);
     }
-    for (int64_t j = 0; j < group; ++j) scores[j * padded + t] = _mm512_reduce_add_ps(acc[j]);
+    for (int64_t j = 0; j < G; ++j) scores[j * padded + t] = L::sum(acc[j]);
   }
   float inv_sum[G];
-  for (int64_t j = 0; j < group; ++j) {
+  for (int64_t j = 0; j < G; ++j) {
     float* sj = scores + j * padded;
     for (int64_t t = context; t < padded; ++t) sj[t] = -std::numeric_limits<float>::infinity();
-    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sj + t));
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = pagedserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), max));
-      _mm512_storeu_ps(sj + t, e);
-      sum = _mm512_add_ps(sum, e);
+    V m = L::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < padded; t += W) m = L::max(m, L::loadu(sj + t));
+    const V max = L::set1(L::max_of(m));
+    V sum = L::zero();
+    for (int64_t t = 0; t < padded; t += W) {
+      const V e = L::exp(L::sub(L::loadu(sj + t), max));
+      L::storeu(sj + t, e);
+      sum = L::add(sum, e);
     }
-    inv_sum[j] = 1.f / _mm512_reduce_add_ps(sum);
+    inv_sum[j] = 1.f / L::sum(sum);
   }
-  __m512 acc[G][C];
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t c = 0; c < chunks; ++c) acc[j][c] = _mm512_setzero_ps();
+  V acc[G][C];
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t c = 0; c < C; ++c) acc[j][c] = L::zero();
   for (int64_t t = 0; t < context; ++t) {
     if ((t & (BS - 1)) == 0) block = block_of(value_head, block_table, t, context, BS, D);
     const T* v = block + (t & (BS - 1)) * D;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 vc = pagedserve::load16(v + c * 16);
-      for (int64_t j = 0; j < group; ++j) acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * padded + t]), vc, acc[j][c]);
+    for (int64_t c = 0; c < C; ++c) {
+      const V vc = L::load(v + c * W);
+      for (int64_t j = 0; j < G; ++j) acc[j][c] = L::fmadd(L::set1(scores[j * padded + t]), vc, acc[j][c]);
     }
   }
-  float row[16];
-  for (int64_t j = 0; j < group; ++j)
-    for (int64_t c = 0; c < chunks; ++c) {
-      _mm512_storeu_ps(row, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j])));
-      for (int64_t d = 0; d < 16; ++d) out[j * D + c * 16 + d] = static_cast<T>(row[d]);
+  float row[W];
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t c = 0; c < C; ++c) {
+      L::storeu(row, L::mul(acc[j][c], L::set1(inv_sum[j])));
+      for (int64_t d = 0; d < W; ++d) out[j * D + c * W + d] = static_cast<T>(row[d]);
     }
   return true;
 }
 
 // The shapes of the models served (query heads per KV head 1-8; head_dim 64 or 128); others
-// take the portable loop. bf16 takes the tiles, float32 and float16 the per-key passes.
+// take the portable loop. bf16 with AVX-512 BF16 takes the tiles, everything else the per-key passes.
 template <typename T>
-bool attend_one_avx512(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
-                       int64_t context, bool cold, int64_t group, const Shape& s, float scale, Scratch& scratch) {
-#define PAGEDSERVE_CASE(G, C)                                                                                                   \
-  if (group == G && s.head_dim == C * 16) {                                                                                     \
-    if constexpr (kBf16Dots<T, C>)                                                                                              \
-      return attend_tiles<T, G, C>(query, out, key_head, value_head, block_table, context, cold, s, scale, scratch.offsets);    \
-    else                                                                                                                        \
-      return attend_per_key<T, G, C>(query, out, key_head, value_head, block_table, context, s, scale, scratch.floats);         \
+bool attend_one_vectorized(const T* query, T* out, const T* key_head, const T* value_head, const int32_t* block_table,
+                           int64_t context, bool cold, int64_t group, const Shape& s, float scale, Scratch& scratch) {
+  constexpr int64_t W = VectorLanes::kWidth;
+#if defined(__AVX512F__)
+#define PAGEDSERVE_TILES(G, D)                                                                                                       \
+  if constexpr (kBf16Dots<T, D / 16>)                                                                                                \
+    return attend_tiles<T, G, D / 16>(query, out, key_head, value_head, block_table, context, cold, s, scale, scratch.offsets);       \
+  else
+#else
+#define PAGEDSERVE_TILES(G, D)
+#endif
+#define PAGEDSERVE_CASE(G, D)                                                                                                  \
+  if (group == G && s.head_dim == D) {                                                                                         \
+    PAGEDSERVE_TILES(G, D)                                                                                                     \
+    return attend_per_key<VectorLanes, T, G, D / W>(query, out, key_head, value_head, block_table, context, s, scale, scratch.floats); \
   }
-#define PAGEDSERVE_CASES(C) \
-  PAGEDSERVE_CASE(1, C) PAGEDSERVE_CASE(2, C) PAGEDSERVE_CASE(3, C) PAGEDSERVE_CASE(4, C) \
-  PAGEDSERVE_CASE(5, C) PAGEDSERVE_CASE(6, C) PAGEDSERVE_CASE(7, C) PAGEDSERVE_CASE(8, C)
-  PAGEDSERVE_CASES(4)
-  PAGEDSERVE_CASES(8)
+#define PAGEDSERVE_CASES(D) \
+  PAGEDSERVE_CASE(1, D) PAGEDSERVE_CASE(2, D) PAGEDSERVE_CASE(3, D) PAGEDSERVE_CASE(4, D) \
+  PAGEDSERVE_CASE(5, D) PAGEDSERVE_CASE(6, D) PAGEDSERVE_CASE(7, D) PAGEDSERVE_CASE(8, D)
+  PAGEDSERVE_CASES(64)
+  PAGEDSERVE_CASES(128)
 #undef PAGEDSERVE_CASES
 #undef PAGEDSERVE_CASE
+#undef PAGEDSERVE_TILES
+  (void)cold;
   return false;
 }
-#endif
+#endif  // PAGEDSERVE_VECTOR_ATTENTION
 
 // Task boundaries that give each of `parts` threads about the same number of keys to read. An even
 // split of the tasks would not: decode rows come longest first, so the first thread got the
@@ -453,15 +479,15 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
       const T* key_head = keys + h * head_stride;
       const T* value_head = values + h * head_stride;
       const int32_t* table = tables + seq_of_token[r] * s.max_blocks;
-#if defined(__AVX512F__)
-      if (attend_one_avx512<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], is_cold(r), group, s, scale, scratch)) {
+#if defined(PAGEDSERVE_VECTOR_ATTENTION)
+      if (attend_one_vectorized<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], is_cold(r), group, s, scale, scratch)) {
         ++fast;
         continue;
       }
 #endif
       attend_one<T>(q_base + offset, out_base + offset, key_head, value_head, table, context_of_token[r], group, s, scale, scratch.floats);
     }
-    tasks_on_avx512 += fast;  // once per chunk of tasks: no shared counter in the loop
+    tasks_on_vector_path += fast;  // once per chunk of tasks: no shared counter in the loop
     tasks_on_portable_loop += (end - begin) - fast;
   });
 }

@@ -98,5 +98,109 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The sixteen-lane operations the kernels written once for both widths use (Lanes8 below).
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V exp(V x) { return exp16(x); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+};
+
+}  // namespace pagedserve
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace pagedserve {
+
+// Eight values of a dtype to float32 lanes: AVX2, for CPUs without AVX-512 (Zen 3, Intel client
+// cores), where the kernels' sixteen-lane paths are not compiled.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  // packus works within 128-bit halves: lanes 0-3 and 4-7 land in 64-bit words 0 and 2
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+template <typename T>
+inline __m256 round8(__m256 v) {
+  alignas(32) T tmp[8];
+  store8(tmp, v);
+  return load8(tmp);
+}
+
+// exp16's polynomial on eight lanes; 2^n is built in the exponent bits (AVX2 has no scalef):
+// the clamp keeps n in [-126, 127], where 2^n is a normal float.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  const __m256 rr = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+// Lanes summed (or maxed) in one fixed order: halves, then pairs, then the last two.
+inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V exp(V x) { return exp8(x); }
+  static float sum(V v) { return sum8(v); }
+  static float max_of(V v) { return max8(v); }
+};
+
 }  // namespace pagedserve
 #endif
