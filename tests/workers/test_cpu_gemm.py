@@ -1,8 +1,8 @@
 """Linear layers on the CPU run on oneDNN-packed weights (workers/layers/cpu_gemm): the same
 forward as `F.linear` on the plain weights, within bfloat16's rounding, or float32's; the plain
 copies are freed except a tied LM head's, which the embedding shares, and a bfloat16 layer's where
-the small-batch kernel reads it. Where oneDNN has no bfloat16 GEMM, bfloat16 weights are packed
-widened to float32: one rounding of the float32 product."""
+the small-batch kernel reads it. Where oneDNN has no bfloat16 (or float16) GEMM, those weights are
+packed widened to float32: one rounding of the float32 product."""
 
 from __future__ import annotations
 
@@ -45,72 +45,83 @@ def _linears(model):
 def test_packs_dtype_answers_what_onednn_does(dtype):
     """oneDNN packs a half-precision weight only on CPUs with the instructions its path needs
     (float16 fails on an AVX-512 BF16 Zen 5, both on an AVX2 Zen 3); `packs_dtype` must say so
-    beforehand, since a failed pack at load time ended the whole engine. A bfloat16 weight oneDNN
-    cannot pack is packed widened to float32 instead."""
+    beforehand, since a failed pack at load time ended the whole engine. A half-precision weight
+    oneDNN cannot pack is packed widened to float32 instead."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 16).to(dtype), cpu_gemm.BATCH_HINT)
         packs = True
     except RuntimeError:
         packs = False
     assert cpu_gemm.packs_dtype(dtype) == packs
-    widened = not packs and dtype == torch.bfloat16
-    assert cpu_gemm.packed_dtype(dtype) == (dtype if packs else torch.float32 if widened else None)
-    assert cpu_gemm.can_pack(torch.randn(8, 16).to(dtype)) == (packs or widened)
-    if packs or widened:
-        assert cpu_gemm.pack(torch.randn(8, 16).to(dtype)).dtype == cpu_gemm.packed_dtype(dtype)
+    assert cpu_gemm.packed_dtype(dtype) == (dtype if packs else torch.float32)
+    assert cpu_gemm.can_pack(torch.randn(8, 16).to(dtype))
+    assert cpu_gemm.pack(torch.randn(8, 16).to(dtype)).dtype == cpu_gemm.packed_dtype(dtype)
 
 
-def _widen_bf16(monkeypatch) -> None:
-    """As on a CPU where oneDNN has no bfloat16 GEMM (a Zen 3): bfloat16 weights are widened."""
+def _widen(monkeypatch, half: torch.dtype) -> None:
+    """As on a CPU where oneDNN has no GEMM for `half` (bfloat16 on a Zen 3, float16 on a Zen 5):
+    `half` weights are widened."""
     native = cpu_gemm.packs_dtype
-    monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda dtype: dtype != torch.bfloat16 and native(dtype))
+    monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda dtype: dtype != half and native(dtype))
     monkeypatch.setattr(cpu_gemm, "small_batch_rows", lambda: 0)  # its AVX-512 BF16 is not there either
 
 
+HALVES = [torch.bfloat16, torch.float16]
+# Half an ulp, relative: bfloat16 keeps 8 significant bits, float16 11.
+HALF_ULP = {torch.bfloat16: 2**-8, torch.float16: 2**-11}
+
+
+@pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
-def test_a_widened_bf16_linear_is_the_float32_product_rounded_once(rows, monkeypatch):
-    """bf16 inputs and weights are exact in float32, so the widened GEMM is a bf16 GEMM with a
-    float32 sum: the exact product and bias, rounded once to bfloat16 (up to the sum's order)."""
-    _widen_bf16(monkeypatch)
+def test_a_widened_linear_is_the_float32_product_rounded_once(rows, half, monkeypatch):
+    """Half-precision inputs and weights, and their products, are exact in float32, so the widened
+    GEMM is a half-precision GEMM with a float32 sum: the exact product and bias, rounded once to
+    `half` (up to the sum's order)."""
+    _widen(monkeypatch, half)
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
-    weight = (torch.randn(960, 576, generator=generator) * 0.05).to(torch.bfloat16)
-    bias = torch.randn(960, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=generator).to(half)
+    weight = (torch.randn(960, 576, generator=generator) * 0.05).to(half)
+    bias = torch.randn(960, generator=generator).to(half)
     packed = cpu_gemm.pack(weight)
     assert packed.dtype == torch.float32
     ours = cpu_gemm.linear(x, packed, bias)
-    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 960)
+    assert ours.dtype == half and ours.shape == (rows, 960)
     exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    one_rounding = exact.abs() * 2**-8 + 1e-4
+    one_rounding = exact.abs() * HALF_ULP[half] + 1e-4
     assert ((ours.double() - exact).abs() <= one_rounding).all()
 
 
-def test_widening_is_switched_off_by_its_variable(monkeypatch):
-    _widen_bf16(monkeypatch)
-    monkeypatch.setenv(cpu_gemm.ENV_WIDE_BF16, "0")
-    assert cpu_gemm.packed_dtype(torch.bfloat16) is None
-    assert not cpu_gemm.can_pack(torch.randn(8, 16).to(torch.bfloat16))
+@pytest.mark.parametrize("half", HALVES)
+def test_widening_is_switched_off_by_its_variable(half, monkeypatch):
+    _widen(monkeypatch, half)
+    monkeypatch.setenv(cpu_gemm.WIDENING_SWITCHES[half], "0")
+    assert cpu_gemm.packed_dtype(half) is None
+    assert not cpu_gemm.can_pack(torch.randn(8, 16).to(half))
+    other = next(dtype for dtype in HALVES if dtype != half)  # each dtype has its own switch
+    assert cpu_gemm.packed_dtype(other) is not None
 
 
+@pytest.mark.parametrize("half", HALVES)
 @torch.inference_mode()
-def test_widened_bf16_forward_matches_plain(model_dirs, monkeypatch):
-    """The whole model with widened layers: their bfloat16 copies freed, the LM head's kept (the
-    embedding's), the same forward as F.linear's bf16 within its rounding, prefill and decode."""
-    _widen_bf16(monkeypatch)
-    widened = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
+def test_widened_forward_matches_plain(half, model_dirs, monkeypatch):
+    """The whole model with widened layers: their half-precision copies freed, the LM head's kept
+    (the embedding's), the same forward as F.linear's within half precision's rounding, prefill
+    and decode."""
+    _widen(monkeypatch, half)
+    widened = build(model_dirs["llama"], half, max_positions=128)
     assert all(m.packed_weight.dtype == torch.float32 and m.weight.numel() == 0 for m in _linears(widened))
     assert widened.lm_head.packed_weight.dtype == torch.float32 and widened.lm_head.weight.numel() > 0
     monkeypatch.setattr(cpu_gemm, "can_pack", lambda weight: False)
-    plain = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
+    plain = build(model_dirs["llama"], half, max_positions=128)
     out = _forward(widened)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == half
     torch.testing.assert_close(out, _forward(plain), atol=6e-2, rtol=6e-2)
     decode = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
     torch.testing.assert_close(_forward(widened, **decode), _forward(plain, **decode), atol=6e-2, rtol=6e-2)
 
 
 def test_a_float16_model_runs_on_any_cpu(model_dirs):
-    """Where oneDNN cannot pack float16 its layers stay on F.linear: the model loads and greedy
+    """Packed in float16 where oneDNN can, widened to float32 elsewhere: the model loads and greedy
     decoding gives Hugging Face's float16 tokens (the tiny model's margins are wide enough that
     float16 rounding flips none of these)."""
     from pagedserve import LLM, SamplingParams

@@ -18,7 +18,9 @@ weight is packed as its exact float32 copy ("widened"), and `onednn_linear` take
 up to float32 and the result back down. That is a bf16 GEMM's own arithmetic: bf16 values and their
 products are exact in float32, the sum runs in float32, and the result is rounded to bf16 once. It
 costs twice the weight memory; `PAGEDSERVE_WIDE_BF16_GEMM=0` keeps those layers on `F.linear`.
-Other half-precision layers whose dtype oneDNN cannot pack (`packs_dtype`) stay on `F.linear`.
+float16 is widened the same way where oneDNN cannot pack it (every CPU without AVX512-FP16 or
+AVX-NE-CONVERT, a Zen 5 included): its values and products are exact in float32 as well
+(`PAGEDSERVE_WIDE_FP16_GEMM=0` keeps them on `F.linear`).
 
 A bfloat16 layer also keeps its plain weight where the native small-batch kernel runs
 (`csrc/cpu_small_linear.cpp`, AVX-512 BF16): one to four rows, a decode step at light load, read
@@ -41,6 +43,10 @@ from pagedserve.kernels import native_build
 logger = logging.getLogger(__name__)
 
 ENV_WIDE_BF16 = "PAGEDSERVE_WIDE_BF16_GEMM"
+ENV_WIDE_FP16 = "PAGEDSERVE_WIDE_FP16_GEMM"
+# The half-precision dtypes that are packed as float32 where oneDNN cannot pack them, and the
+# variable that turns each off.
+WIDENING_SWITCHES = {torch.bfloat16: ENV_WIDE_BF16, torch.float16: ENV_WIDE_FP16}
 
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
@@ -61,10 +67,11 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a `dtype` weight is packed in here: its own where oneDNN packs it; float32 for
-    bfloat16 where oneDNN has no bf16 GEMM (widened, see above); None: it stays on `F.linear`."""
+    a half-precision dtype oneDNN has no GEMM for (widened, see above); None: it stays on `F.linear`."""
     if packs_dtype(dtype):
         return dtype
-    if dtype == torch.bfloat16 and os.environ.get(ENV_WIDE_BF16, "1") != "0" and packs_dtype(torch.float32):
+    switch = WIDENING_SWITCHES.get(dtype)
+    if switch is not None and os.environ.get(switch, "1") != "0" and packs_dtype(torch.float32):
         return torch.float32
     return None
 
@@ -108,7 +115,7 @@ def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    # A widened weight: the bf16 input and bias up to float32, the result rounded back once.
+    # A widened weight: the half-precision input and bias up to float32, the result rounded back once.
     wide_bias = bias.to(packed.dtype) if bias is not None else None
     return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, wide_bias, "none", [], "").to(x.dtype)
 
@@ -147,10 +154,11 @@ def pack_model(model: torch.nn.Module, exclude: torch.nn.Module | None = None) -
     packed = [layer for layer in layers if layer.pack_for_cpu()]
     widened = [layer for layer in packed if layer.packed_weight.dtype != layer.weight.dtype]
     if widened:
+        dtype = widened[0].weight.dtype
         logger.info(
-            "%d bfloat16 linear layers packed as exact float32 copies: oneDNN has no bf16 GEMM on this CPU, "
-            "and torch's fallback is 5-8x slower; the weights take twice the memory (%s=0: keep them on F.linear)",
-            len(widened), ENV_WIDE_BF16,
+            "%d %s linear layers packed as exact float32 copies: oneDNN has no %s GEMM on this CPU, "
+            "and torch's fallback is several times slower; the weights take twice the memory (%s=0: keep them on F.linear)",
+            len(widened), dtype, dtype, WIDENING_SWITCHES[dtype],
         )  # fmt: skip
     return len(packed)
 
