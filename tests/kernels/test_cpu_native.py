@@ -142,7 +142,7 @@ def test_switched_off_by_environment(monkeypatch):
     assert get_attention_backend("auto", "cpu", dtype=torch.bfloat16).name == "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(7, 576), (3, 37), (2, 5, 64)])
 def test_fused_rms_norm_matches_the_torch_layer(shape, dtype):
     """The fused pass rounds where Hugging Face's RMSNorm rounds (the normalized row, then its
@@ -158,7 +158,7 @@ def test_fused_rms_norm_matches_the_torch_layer(shape, dtype):
     assert_rounded(actual, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(7, 2 * 1536), (3, 2 * 37), (2, 5, 2 * 64)])
 def test_fused_silu_and_mul_matches_the_torch_layer(shape, dtype):
     gen = torch.Generator().manual_seed(1)
@@ -176,12 +176,14 @@ def test_fused_silu_and_mul_matches_the_torch_layer(shape, dtype):
     assert ((actual.double() - expected).abs() <= bound).all(), "silu_and_mul: beyond its two roundings"
 
 
-def test_layers_take_the_fused_path_only_in_half_precision_on_the_cpu():
-    assert cpu_native.can_fuse(torch.zeros(2, 4, dtype=torch.bfloat16))
-    assert not cpu_native.can_fuse(torch.zeros(2, 4))  # float32 stays on torch's ops (exactness)
+def test_layers_take_the_fused_path_on_the_cpu_in_every_model_dtype():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert cpu_native.can_fuse(torch.zeros(2, 4, dtype=dtype))
+    assert not cpu_native.can_fuse(torch.zeros(2, 4, dtype=torch.float64))
+    assert not cpu_native.can_fuse(torch.zeros(2, 4, dtype=torch.bfloat16, device="meta"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fused_rotary_matches_the_torch_layer(dtype):
     """On a view into a fused QKV output (not contiguous per token), as the attention layer calls it."""
     from pagedserve.workers.layers.rotary import RotaryEmbedding, _rotate

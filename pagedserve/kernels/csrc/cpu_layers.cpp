@@ -1,5 +1,5 @@
-// Fused half-precision layers on the CPU: RMSNorm, SiLU-and-mul and rotary embeddings, each in
-// one pass over each row.
+// Fused layers on the CPU: RMSNorm, SiLU-and-mul and rotary embeddings, each in one pass over each
+// row, in bfloat16, float16 and float32.
 //
 // In eager torch each is five or so elementwise ops, each a pass over memory and a fresh tensor;
 // here each row is read once and written once. Rounding follows the torch layers they replace
@@ -8,7 +8,9 @@
 // rounds silu(gate) before multiplying by up. Only the order of the float32 sum of squares
 // differs from torch's, so results agree to within one rounding of the dtype. Rotary embeddings
 // rotate in float32 from the float32 cos/sin tables and round once (torch rounds cos and sin to
-// the dtype first, then each product): within a rounding or two of the dtype.
+// the dtype first, then each product): within a rounding or two of the dtype. In float32 every
+// rounding to the dtype is the identity, and the results differ from torch's by the sum's order
+// and the vectorized exp: a few float32 ulps, as the packed GEMM differs from MKL's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -100,42 +102,54 @@ void rotate_rows(T* out, const T* x, int64_t x_token_stride, int64_t x_head_stri
   });
 }
 
-void check_half(const at::Tensor& t, const char* name) {
+void check_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name, " must be bfloat16 or float16");
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == at::kBFloat16 || type == at::kHalf || type == at::kFloat, name, " must be bfloat16, float16 or float32");
+}
+
+// f(T()) with T the C++ type of `type` (one of check_dtype's three).
+template <typename F>
+void by_dtype(at::ScalarType type, F f) {
+  if (type == at::kBFloat16)
+    f(c10::BFloat16());
+  else if (type == at::kHalf)
+    f(c10::Half());
+  else
+    f(0.f);
 }
 
 // out = weight * round(x * rsqrt(mean(x^2) + eps)), rows of x's last dimension.
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_half(x, "x");
-  check_half(out, "out");
-  check_half(weight, "weight");
+  check_dtype(x, "x");
+  check_dtype(out, "out");
+  check_dtype(weight, "weight");
   const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(hidden, 1);
   TORCH_CHECK(weight.numel() == hidden && out.sizes() == x.sizes(), "rms_norm: shapes do not match");
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(), "rms_norm: one dtype");
-  if (x.scalar_type() == at::kBFloat16)
-    rms_norm_rows(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), rows, hidden, eps);
-  else
-    rms_norm_rows(out.data_ptr<c10::Half>(), x.data_ptr<c10::Half>(), weight.data_ptr<c10::Half>(), rows, hidden, eps);
+  by_dtype(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    rms_norm_rows(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(), rows, hidden, eps);
+  });
 }
 
 // out[..., :d] = silu(x[..., :d]) * x[..., d:], for x of last dimension 2d.
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
-  check_half(x, "x");
-  check_half(out, "out");
+  check_dtype(x, "x");
+  check_dtype(out, "out");
   const int64_t width = x.size(-1) / 2, rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
   TORCH_CHECK(x.size(-1) % 2 == 0 && out.size(-1) == width && out.numel() == rows * width, "silu_and_mul: shapes do not match");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "silu_and_mul: one dtype");
-  if (x.scalar_type() == at::kBFloat16)
-    silu_and_mul_rows(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows, width);
-  else
-    silu_and_mul_rows(out.data_ptr<c10::Half>(), x.data_ptr<c10::Half>(), rows, width);
+  by_dtype(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    silu_and_mul_rows(out.data_ptr<T>(), x.data_ptr<T>(), rows, width);
+  });
 }
 
 // out ([tokens, heads, head_dim], contiguous) = x rotated by the angles of each token's position
 // (rotate-half layout); cos and sin are the float32 tables [max_positions, head_dim / 2].
 void rotary(at::Tensor out, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
-  check_half(out, "out");
+  check_dtype(out, "out");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.scalar_type() == out.scalar_type(), "rotary: x must be [tokens, heads, head_dim], head_dim contiguous");
   TORCH_CHECK(out.sizes() == x.sizes() && x.size(2) % 2 == 0, "rotary: shapes do not match");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0), "rotary: positions int64, one per token");
@@ -143,12 +157,11 @@ void rotary(at::Tensor out, const at::Tensor& x, const at::Tensor& positions, co
                   cos.size(-1) == x.size(2) / 2, "rotary: cos/sin float32 [positions, head_dim / 2]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < positions.numel(); ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary: position out of range");
-  if (x.scalar_type() == at::kBFloat16)
-    rotate_rows(out.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), pos, cos.data_ptr<float>(),
-                sin.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
-  else
-    rotate_rows(out.data_ptr<c10::Half>(), x.data_ptr<c10::Half>(), x.stride(0), x.stride(1), pos, cos.data_ptr<float>(),
-                sin.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
+  by_dtype(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    rotate_rows(out.data_ptr<T>(), x.data_ptr<T>(), x.stride(0), x.stride(1), pos, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                x.size(0), x.size(1), x.size(2));
+  });
 }
 
 }  // namespace

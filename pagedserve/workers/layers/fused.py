@@ -1,6 +1,6 @@
-"""Which one-pass kernels a layer's input takes: `cpu_native`'s (C++, half precision on the
-CPU) or `cuda_layers`' (Triton, on CUDA). Both offer `rms_norm`, `rotary` and `silu_and_mul`
-with one signature, so a layer asks once and calls the same name either way."""
+"""Which one-pass kernels a layer's input takes: `cpu_native`'s (C++, on the CPU) or
+`cuda_layers`' (Triton, on CUDA). Both offer `rms_norm`, `rotary` and `silu_and_mul` with one
+signature, so a layer asks once and calls the same name either way."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""RMSNorm computed exactly as Hugging Face does (in float32, cast back before the weight); in
-half precision on the CPU, the same rounding in one fused pass (kernels/cpu_native), and on CUDA
-in one Triton kernel (kernels/cuda_layers)."""
+"""RMSNorm computed exactly as Hugging Face does (in float32, cast back before the weight); on the
+CPU the same rounding in one fused pass (kernels/cpu_native), and on CUDA in one Triton kernel
+(kernels/cuda_layers)."""
 
 from __future__ import annotations
 

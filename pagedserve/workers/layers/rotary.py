@@ -1,9 +1,9 @@
 """Rotary position embeddings (rotate-half layout) with the default, linear and llama3 scalings.
 
 The inverse frequencies and the cos/sin values are computed with the same float32 operations as
-Hugging Face transformers, so positions embed bit-for-bit alike. In half precision on the CPU the
-rotation itself is one fused pass (kernels/cpu_native), rounding once instead of after each op; on
-CUDA one Triton kernel (kernels/cuda_layers) that rounds the same way, in every dtype.
+Hugging Face transformers, so positions embed bit-for-bit alike. On the CPU the rotation itself is
+one fused pass (kernels/cpu_native), rounding once instead of after each op; on CUDA one Triton
+kernel (kernels/cuda_layers) that rounds the same way; both in every dtype.
 """
 
 from __future__ import annotations
