@@ -15,7 +15,7 @@ import torch
 from pagedserve.workers.layers import cpu_gemm
 from pagedserve.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.workers.models.llama import attention_dims
-from tests.kernels.paged_batch import make_batch
+from tests.kernels.paged_batch import UNIT_ROUNDOFF, make_batch
 from tests.models import HFReference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -67,8 +67,6 @@ def _widen(monkeypatch, half: torch.dtype) -> None:
 
 
 HALVES = [torch.bfloat16, torch.float16]
-# Half an ulp, relative: bfloat16 keeps 8 significant bits, float16 11.
-HALF_ULP = {torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
 
 @pytest.mark.parametrize("half", HALVES)
@@ -87,7 +85,7 @@ def test_a_widened_linear_is_the_float32_product_rounded_once(rows, half, monkey
     ours = cpu_gemm.linear(x, packed, bias)
     assert ours.dtype == half and ours.shape == (rows, 960)
     exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    one_rounding = exact.abs() * HALF_ULP[half] + 1e-4
+    one_rounding = exact.abs() * UNIT_ROUNDOFF[half] + 1e-4
     assert ((ours.double() - exact).abs() <= one_rounding).all()
 
 
