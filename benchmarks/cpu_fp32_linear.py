@@ -1,6 +1,6 @@
 """float32 linear layers: MKL (`F.linear` on the plain weight, the engine's float32 path before
-it packed float32) against oneDNN's GEMM on the weight packed at load (cpu_gemm, the path now),
-on the shapes of a
+it packed float32), oneDNN's GEMM on the weight packed at load, and pagedserve's native AVX2 GEMM
+(csrc/cpu_fp32_gemm.cpp, which cpu_gemm picks on CPUs without AVX-512), on the shapes of a
 model's layers (every linear of every decoder layer, then the LM head), and the whole eager
 forward of a decode step with each.
 
@@ -13,6 +13,7 @@ from memory as in a real step. Run it on a quiet machine.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -26,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpu_forward import build, decode_forward, layer_bench_args, linear_layers  # noqa: E402
 import common  # noqa: E402
 
+from pagedserve.kernels import native_build  # noqa: E402
 from pagedserve.workers.layers import cpu_gemm  # noqa: E402
+
+GEMMS = ("onednn", "native")
 
 
 def build_plain(folder: Path):
@@ -39,6 +43,22 @@ def build_plain(folder: Path):
         cpu_gemm.can_pack = can_pack
 
 
+def build_packed(folder: Path, gemm: str):
+    """The model as the engine loads it, with its float32 layers on `gemm` ("onednn" or "native")."""
+    chosen = list(cpu_gemm._fp32_gemm)
+    cpu_gemm._fp32_gemm[:] = [gemm]
+    try:
+        return build(folder, torch.float32, 4096)
+    finally:
+        cpu_gemm._fp32_gemm[:] = chosen
+
+
+def packed_for(weight: torch.Tensor, gemm: str):
+    if gemm == "native":
+        return cpu_gemm.NativeWeight(torch.ops.pagedserve_cpu.fp32_gemm_pack(weight), weight.shape[0])
+    return cpu_gemm.pack_onednn(weight)
+
+
 def layer_pass(layers: list, rows: int, packed: dict | None) -> Callable[[], None]:
     """Every layer once on `rows` random rows: through its packed weight (`packed`, by layer) or
     through F.linear on its plain weight."""
@@ -49,9 +69,25 @@ def layer_pass(layers: list, rows: int, packed: dict | None) -> Callable[[], Non
             if packed is None:
                 F.linear(x, m.weight)
             else:
-                cpu_gemm.onednn_linear(x, packed[m], None)
+                cpu_gemm.linear(x, packed[m], None)
 
     return run
+
+
+def paths_report(run_for: Callable[[str], Callable[[], object]], repeats: int) -> dict:
+    """Each path's median time, the paths taking turns within every repeat so that the machine's
+    drifts fall on all of them alike; speed-ups against MKL and, for the native GEMM, oneDNN."""
+    runs = {name: run_for(name) for name in ("mkl", *GEMMS)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(common.median_ms(run, 1))
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        **{f"{name}_ms": round(value, 3) for name, value in ms.items()},
+        "speedup": round(ms["mkl"] / ms["onednn"], 2),
+        "native_over_onednn": round(ms["onednn"] / ms["native"], 2),
+    }
 
 
 @torch.inference_mode()
@@ -59,25 +95,21 @@ def main() -> None:
     args = layer_bench_args(__doc__, rows="1,8,64,256,1024", repeats=5)
     if not torch.backends.mkldnn.is_available():
         sys.exit("this torch build has no oneDNN")
-    plain_model = build_plain(Path(args.model))
-    packed_model = build(Path(args.model), torch.float32, 4096)  # as the engine loads it
-    layers = linear_layers(plain_model)
-    packed = {m: cpu_gemm.pack(m.weight) for m in layers}
+    if not (native_build.load() and torch.ops.pagedserve_cpu.fp32_gemm_built()):
+        sys.exit("the native kernels did not build with AVX2 and FMA here")
+    models = {"mkl": build_plain(Path(args.model)), **{gemm: build_packed(Path(args.model), gemm) for gemm in GEMMS}}
+    layers = linear_layers(models["mkl"])
+    packed = {gemm: {m: packed_for(m.weight, gemm) for m in layers} for gemm in GEMMS}
     report: dict = {"model": args.model, "weights_mb": round(sum(m.weight.nbytes for m in layers) / 1e6, 1), "layers": {}, "decode_forward": {}}
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in map(int, args.rows.split(",")):
             key = f"{threads}_threads_{rows}_rows"
-            mkl = common.median_ms(layer_pass(layers, rows, None), args.repeats)
-            onednn = common.median_ms(layer_pass(layers, rows, packed), args.repeats)
-            report["layers"][key] = {"mkl_ms": mkl, "onednn_ms": onednn, "speedup": round(mkl / onednn, 2)}
+            report["layers"][key] = paths_report(lambda gemm: layer_pass(layers, rows, packed.get(gemm)), args.repeats)
             print(f"[{key}] layers {report['layers'][key]}", file=sys.stderr, flush=True)
         for rows in (r for r in map(int, args.rows.split(",")) if r <= 256):  # decode rows
             key = f"{threads}_threads_{rows}_rows"
-            times = {}
-            for name, model in (("mkl", plain_model), ("onednn", packed_model)):
-                times[f"{name}_ms"] = common.median_ms(decode_forward(model, rows, torch.float32), args.repeats)
-            report["decode_forward"][key] = {**times, "speedup": round(times["mkl_ms"] / times["onednn_ms"], 2)}
+            report["decode_forward"][key] = paths_report(lambda gemm: decode_forward(models[gemm], rows, torch.float32), args.repeats)
             print(f"[{key}] decode forward {report['decode_forward'][key]}", file=sys.stderr, flush=True)
     common.write_report(report, args.output, indent=1)
 

@@ -143,3 +143,20 @@ def test_ray_parallel_matches_hf_across_schedules(ray_cluster, tp, pp, config_na
         assert type(core.executor).__name__ == "RayExecutor"
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("gemm", ["native", "onednn"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_hf_on_each_fp32_gemm(arch, gemm, model_dirs, hf_references, monkeypatch):
+    """float32 linears run on pagedserve's own GEMM where the CPU has no AVX-512 and on oneDNN's
+    where it does (cpu_gemm.fp32_gemm): both are held to HF's tokens on whatever CPU runs this."""
+    from pagedserve.workers.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [gemm])
+    llm = LLM(str(model_dirs[arch]), max_model_len=256, dtype="float32", device="cpu")
+    try:
+        model = llm.llm_engine.engine_core.engine_core.executor.worker.runner.model
+        assert isinstance(model.lm_head.packed_weight, cpu_gemm.NativeWeight) == (gemm == "native")
+        engine_vs_hf(llm, hf_references[arch], PROMPTS)
+    finally:
+        llm.shutdown()

@@ -17,7 +17,7 @@ import json, os, psutil, torch
 import pagedserve  # bounds the caches, unless the environment already set them
 from pagedserve.workers.layers import cpu_gemm
 torch.set_num_threads(1)
-weight = cpu_gemm.pack(torch.randn(1536, 576))
+weight = cpu_gemm.pack_onednn(torch.randn(1536, 576))
 process = psutil.Process()
 for rows in range(1, 9):  # the allocator's and oneDNN's first use, outside the measure
     cpu_gemm.onednn_linear(torch.randn(rows, 576), weight, None)

@@ -29,10 +29,19 @@ in memory (212 MB for SmolLM2-135M; the LM head's plain weight is the embedding'
 decode step's forward 1.2-1.7x faster at one to three rows and 1.06x at four, on one or two
 threads of a 2-core Zen 4 (benchmarks/results/cpu_small_linear.json). Which of the one to four
 row counts take it on the CPU at hand, the model runner times at start-up (small_batch_choice.py).
+
+Where the CPU has AVX2 but no AVX-512 (a Zen 3, Intel before Skylake-SP), float32 layers, widened
+ones included, run on pagedserve's own GEMM instead (`csrc/cpu_fp32_gemm.cpp`, the weight packed
+into panels of 16 output features): on a 2-core Zen 3, SmolLM2-135M's decode step forward ran
+1.15x faster with it at one row, 1.33x at eight and 1.09x at 64, and level with oneDNN at 128 and 256
+rows (benchmarks/cpu_fp32_linear.py). Its sums run in one order whatever the batch, so a row's
+result does not depend on the rows beside it. Where AVX-512 is there, oneDNN's GEMM uses it and
+stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the log records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -48,8 +57,15 @@ ENV_WIDE_FP16 = "PAGEDSERVE_WIDE_FP16_GEMM"
 # variable that turns each off.
 WIDENING_SWITCHES = {torch.bfloat16: ENV_WIDE_BF16, torch.float16: ENV_WIDE_FP16}
 
+ENV_FP32_GEMM = "PAGEDSERVE_FP32_GEMM"
+FP32_GEMM_CHOICES = ("auto", "native", "onednn")
+# The most of the input dimension one pass of the native GEMM covers: a panel's share (64 bytes a
+# k) stays within a core's L2 beside the rows.
+NATIVE_K_BLOCK = 2048
+
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
+_fp32_gemm: list[str] = []
 _small_rows: list[int] = []
 # The row counts at which `linear` takes the small-batch kernel: every count it takes until the
 # model runner times both paths on this CPU (small_batch_choice.py) and sets them.
@@ -92,18 +108,75 @@ def packs_dtype(dtype: torch.dtype) -> bool:
     return False
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in]) in oneDNN's layout, for `linear`; widened to float32 where
-    `packed_dtype` says so."""
+@dataclasses.dataclass(frozen=True)
+class NativeWeight:
+    """A float32 weight packed for the native GEMM: `panels` [ceil(out / 16), in, 16]."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | NativeWeight:
+    """`weight` ([out, in]) packed for `linear`, widened to float32 where `packed_dtype` says so:
+    for the native GEMM where `fp32_gemm` chose it, in oneDNN's layout otherwise."""
+    wide = weight.detach().to(packed_dtype(weight.dtype))
+    if wide.dtype == torch.float32 and fp32_gemm() == "native":
+        return NativeWeight(torch.ops.pagedserve_cpu.fp32_gemm_pack(wide), wide.shape[0])
+    return pack_onednn(wide)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(packed_dtype(weight.dtype)), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_gemm() -> str:
+    """Which GEMM runs float32 layers in this process, "native" or "onednn" (chosen once, logged)."""
+    if not _fp32_gemm:
+        _fp32_gemm.append(_choose_fp32_gemm())
+    return _fp32_gemm[0]
+
+
+def _choose_fp32_gemm() -> str:
+    asked = os.environ.get(ENV_FP32_GEMM, "auto").strip().lower() or "auto"
+    if asked not in FP32_GEMM_CHOICES:
+        raise ValueError(f"{ENV_FP32_GEMM}={asked!r}: expected one of {', '.join(FP32_GEMM_CHOICES)}")
+    built = native_build.load() and torch.ops.pagedserve_cpu.fp32_gemm_built()
+    if asked == "native" and not built:
+        raise RuntimeError(f"{ENV_FP32_GEMM}=native: the native kernels did not build with AVX2 and FMA on this machine")
+    if asked == "auto":
+        has_avx512 = "avx512" in native_build.compiled_paths()
+        asked = "native" if built and not has_avx512 else "onednn"
+        why = "AVX2 without AVX-512 here" if asked == "native" else ("AVX-512 here" if has_avx512 else "no native AVX2 kernel built")
+    else:
+        why = f"{ENV_FP32_GEMM}={asked}"
+    logger.info("float32 linear layers run on %s (%s)", "pagedserve's native AVX2 GEMM" if asked == "native" else "oneDNN's packed GEMM", why)
+    return asked
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor | NativeWeight, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) through the packed weight, or for a few rows through `plain` (the unpacked
     weight, when `keeps_plain` kept it) and the native small-batch kernel."""
     if plain is not None and x.dim() == 2 and x.shape[0] in kernel_rows() and plain.numel() > 0:
         return small_linear(x, plain, bias)
+    if isinstance(packed, NativeWeight):
+        return native_linear(x, packed, bias)
     return onednn_linear(x, packed, bias)
+
+
+def native_linear(x: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Through the native float32 GEMM; a half-precision input (a widened layer) goes up to
+    float32 and its result back down once, as in `onednn_linear`."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], packed.out_features)
+    wide_bias = bias.to(torch.float32).contiguous() if bias is not None else None
+    torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, wide_bias, NATIVE_K_BLOCK)
+    return out.view(*x.shape[:-1], packed.out_features).to(x.dtype)
 
 
 def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""pagedserve's own float32 GEMM (csrc/cpu_fp32_gemm.cpp), which cpu_gemm picks on CPUs with AVX2
+but no AVX-512: within float32's rounding of the exact product for any shape (tails of its 6-row
+and 16-column tiles, K split in blocks, a bias, strided rows); each row's result the same bits
+whatever it is batched with; the choice of GEMM as the variable and the CPU say; and the whole
+model's forward on it, float32 and widened bfloat16. The kernel runs on every x86 CPU the tests
+run on (AVX2 is older than AVX-512), so these force it where `auto` would pick oneDNN."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.kernels import native_build
+from pagedserve.workers.layers import cpu_gemm
+from tests.kernels.paged_batch import UNIT_ROUNDOFF
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from cpu_forward import build  # noqa: E402  (the model as a CPU worker loads it)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    """A compiler is part of the test setup, and every machine the suite runs on has AVX2 and FMA:
+    a failed build fails these tests rather than skipping them."""
+    assert native_build.load(), "the native CPU kernels did not build (see the log)"
+    assert torch.ops.pagedserve_cpu.fp32_gemm_built(), "built without AVX2 and FMA"
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", ["native"])
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_block: int = cpu_gemm.NATIVE_K_BLOCK) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0])
+    torch.ops.pagedserve_cpu.fp32_gemm(out, x, torch.ops.pagedserve_cpu.fp32_gemm_pack(weight), bias, k_block)
+    return out
+
+
+def _assert_within_float32_rounding(ours: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """|ours - exact| <= K u sum_k |x_k w_k| (+ |bias| u): the bound of any order of a float32 sum."""
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    magnitude = torch.nn.functional.linear(x.double().abs(), weight.double().abs(), None if bias is None else bias.double().abs())
+    bound = (x.shape[1] + 1) * UNIT_ROUNDOFF[torch.float32] * magnitude
+    assert ((ours.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 200])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (17, 100), (16, 3), (1, 1), (33, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_gemm_is_the_product_within_float32_rounding(rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 7919 + out_features * 31 + in_features)
+    x = torch.randn(rows, in_features + 5, generator=generator)[:, :in_features]  # row stride != width
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    _assert_within_float32_rounding(_gemm(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("k_block", [1, 7, 64, 100])
+def test_native_gemm_splits_a_long_input_dimension(k_block):
+    """Past `k_block` the panels are swept once per block and the blocks' sums added: still the
+    product, and the bias added once."""
+    generator = torch.Generator().manual_seed(k_block)
+    x = torch.randn(13, 100, generator=generator)
+    weight = torch.randn(40, 100, generator=generator) * 0.05
+    bias = torch.randn(40, generator=generator)
+    _assert_within_float32_rounding(_gemm(x, weight, bias, k_block), x, weight, bias)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """The same row alone, first, last or inside a batch of any size (across the 96-row blocks
+    too): the same bits, so a sequence's greedy tokens cannot change with what it is batched with."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 576, generator=generator) * 0.05
+    batch = torch.randn(250, 576, generator=generator)
+    panels = torch.ops.pagedserve_cpu.fp32_gemm_pack(weight)
+
+    def run(x):
+        out = torch.empty(x.shape[0], 70)
+        torch.ops.pagedserve_cpu.fp32_gemm(out, x, panels, None, cpu_gemm.NATIVE_K_BLOCK)
+        return out
+
+    full = run(batch)
+    for row in (0, 5, 96, 97, 249):
+        assert torch.equal(run(batch[row : row + 1])[0], full[row])
+        assert torch.equal(run(batch[max(0, row - 10) : row + 1])[-1], full[row])
+
+
+def test_pack_and_linear_take_the_native_gemm_when_chosen(native):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(50, 64, generator=generator)
+    packed = cpu_gemm.pack(weight)
+    assert isinstance(packed, cpu_gemm.NativeWeight) and packed.dtype == torch.float32 and packed.out_features == 50
+    x = torch.randn(2, 3, 64, generator=generator)  # any leading shape
+    out = cpu_gemm.linear(x, packed, None)
+    assert out.shape == (2, 3, 50)
+    assert torch.equal(out.reshape(6, 50), _gemm(x.reshape(6, 64), weight, None))
+    assert cpu_gemm.linear(torch.empty(0, 64), packed, None).shape == (0, 50)
+
+
+def test_a_widened_half_layer_on_the_native_gemm_rounds_once(native, monkeypatch):
+    """bfloat16 packed as float32 (as on a Zen 3): the float32 result of the same values, rounded
+    to bfloat16 once."""
+    monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(cpu_gemm, "small_batch_rows", lambda: 0)
+    generator = torch.Generator().manual_seed(2)
+    weight = (torch.randn(40, 96, generator=generator) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(40, generator=generator).to(torch.bfloat16)
+    x = torch.randn(9, 96, generator=generator).to(torch.bfloat16)
+    packed = cpu_gemm.pack(weight)
+    assert isinstance(packed, cpu_gemm.NativeWeight)
+    ours = cpu_gemm.linear(x, packed, bias)
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, _gemm(x.float(), weight.float(), bias.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("value, expected", [("native", "native"), ("onednn", "onednn"), (" OneDNN ", "onednn")])
+def test_the_variable_chooses_the_gemm(value, expected, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [])
+    monkeypatch.setenv(cpu_gemm.ENV_FP32_GEMM, value)
+    assert cpu_gemm.fp32_gemm() == expected
+
+
+def test_auto_takes_the_native_gemm_where_there_is_no_avx512(monkeypatch):
+    """Measured on a Zen 3 (AVX2 only) the native GEMM was faster; with AVX-512, oneDNN's uses it."""
+    monkeypatch.delenv(cpu_gemm.ENV_FP32_GEMM, raising=False)
+    for paths, expected in ((frozenset({"avx2"}), "native"), (frozenset({"avx512", "avx512_bf16"}), "onednn")):
+        monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [])
+        monkeypatch.setattr(native_build, "compiled_paths", lambda paths=paths: paths)
+        assert cpu_gemm.fp32_gemm() == expected
+
+
+def test_an_unknown_choice_says_what_is_allowed(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [])
+    monkeypatch.setenv(cpu_gemm.ENV_FP32_GEMM, "mkl")
+    with pytest.raises(ValueError, match="PAGEDSERVE_FP32_GEMM='mkl': expected one of auto, native, onednn"):
+        cpu_gemm.fp32_gemm()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+@torch.inference_mode()
+def test_the_model_on_the_native_gemm_matches_plain(dtype, tolerance, model_dirs, native, monkeypatch):
+    """Every linear and the LM head on the native GEMM (bfloat16 widened), prefill and decode,
+    against F.linear's forward."""
+    from tests.workers.test_cpu_gemm import _forward, _linears
+
+    if dtype != torch.float32:
+        monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda d: d == torch.float32)
+        monkeypatch.setattr(cpu_gemm, "small_batch_rows", lambda: 0)
+    packed = build(model_dirs["llama"], dtype, max_positions=128)
+    assert all(isinstance(m.packed_weight, cpu_gemm.NativeWeight) for m in [*_linears(packed), packed.lm_head])
+    monkeypatch.setattr(cpu_gemm, "can_pack", lambda weight: False)
+    plain = build(model_dirs["llama"], dtype, max_positions=128)
+    torch.testing.assert_close(_forward(packed), _forward(plain), atol=tolerance, rtol=tolerance)
+    decode = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
+    torch.testing.assert_close(_forward(packed, **decode), _forward(plain, **decode), atol=tolerance, rtol=tolerance)
