@@ -65,6 +65,7 @@ NATIVE_K_BLOCK = 2048
 
 # The batch size oneDNN picks its blocking for; other sizes run correctly, a little slower.
 BATCH_HINT = 64
+# "native" or "onednn" once `fp32_gemm` has chosen for this process.
 _fp32_gemm: list[str] = []
 _small_rows: list[int] = []
 # The row counts at which `linear` takes the small-batch kernel: every count it takes until the
@@ -123,10 +124,9 @@ class NativeWeight:
 def pack(weight: torch.Tensor) -> torch.Tensor | NativeWeight:
     """`weight` ([out, in]) packed for `linear`, widened to float32 where `packed_dtype` says so:
     for the native GEMM where `fp32_gemm` chose it, in oneDNN's layout otherwise."""
-    wide = weight.detach().to(packed_dtype(weight.dtype))
-    if wide.dtype == torch.float32 and fp32_gemm() == "native":
-        return NativeWeight(torch.ops.pagedserve_cpu.fp32_gemm_pack(wide), wide.shape[0])
-    return pack_onednn(wide)
+    if packed_dtype(weight.dtype) == torch.float32 and fp32_gemm() == "native":
+        return NativeWeight(torch.ops.pagedserve_cpu.fp32_gemm_pack(weight.detach().to(torch.float32)), weight.shape[0])
+    return pack_onednn(weight)
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
