@@ -1,9 +1,10 @@
 """pagedserve's own float32 GEMM (csrc/cpu_fp32_gemm.cpp), which cpu_gemm picks on CPUs with AVX2
 but no AVX-512: within float32's rounding of the exact product for any shape (tails of its 6-row
-and 16-column tiles, K split in blocks, a bias, strided rows); each row's result the same bits
-whatever it is batched with; the choice of GEMM as the variable and the CPU say; and the whole
-model's forward on it, float32 and widened bfloat16. The kernel runs on every x86 CPU the tests
-run on (AVX2 is older than AVX-512), so these force it where `auto` would pick oneDNN."""
+and 16-column tiles, K split in blocks, a bias, strided rows); the same bits however K is split,
+and each row's result the same bits whatever it is batched with; the choice of GEMM as the
+variable and the CPU say; and the whole model's forward on it, float32 and widened bfloat16. The
+kernel runs on every x86 CPU the tests run on (AVX2 is older than AVX-512), so these force it
+where `auto` would pick oneDNN."""
 
 from __future__ import annotations
 
@@ -61,13 +62,25 @@ def test_native_gemm_is_the_product_within_float32_rounding(rows, out_features, 
 
 @pytest.mark.parametrize("k_block", [1, 7, 64, 100])
 def test_native_gemm_splits_a_long_input_dimension(k_block):
-    """Past `k_block` the panels are swept once per block and the blocks' sums added: still the
-    product, and the bias added once."""
+    """Past `k_block` the panels are swept once per block, each carrying on the sums the last left:
+    still the product, and the bias added once."""
     generator = torch.Generator().manual_seed(k_block)
     x = torch.randn(13, 100, generator=generator)
     weight = torch.randn(40, 100, generator=generator) * 0.05
     bias = torch.randn(40, generator=generator)
     _assert_within_float32_rounding(_gemm(x, weight, bias, k_block), x, weight, bias)
+
+
+def test_the_block_size_of_k_changes_no_bit():
+    """Each output is one running sum over all of K, in full panels and the partial last one: the
+    same bits whatever `k_block` splits K into, the bias added once at the end."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 100, generator=generator)
+    weight = torch.randn(40, 100, generator=generator) * 0.05  # two full panels and 8 features
+    bias = torch.randn(40, generator=generator)
+    whole = _gemm(x, weight, bias, 100)
+    for k_block in (1, 7, 64, 99):
+        assert torch.equal(_gemm(x, weight, bias, k_block), whole), k_block
 
 
 def test_a_rows_result_does_not_depend_on_its_batch():
