@@ -1,9 +1,9 @@
 // A float32 linear layer for CPUs with AVX2 and FMA but no AVX-512: out = x W^T (+ bias), with W
 // packed once at load into panels of 16 output features, k-major ([panels, K, 16]).
 //
-// On a 2-core Zen 3, SmolLM2-135M's linears with their weights coming from memory ran 1.2-1.4x
-// faster through it than through oneDNN's packed GEMM at 1 to 128 rows, and 1.07-1.17x at 256
-// and 512 (benchmarks/cpu_fp32_linear.py).
+// On a 2-core Zen 3, SmolLM2-135M's linears and LM head with their weights coming from memory ran
+// 1.1-1.5x faster through it than through oneDNN's packed GEMM at 1 to 512 rows
+// (benchmarks/results/cpu_fp32_linear_unrolled_zen3.json).
 // Its parts, in the order they mattered when measured:
 // - a 6-row by 16-column register tile: twelve accumulators, two weight loads and six broadcasts
 //   for twelve FMAs per k;
