@@ -34,9 +34,9 @@ Where the CPU has AVX2 but no AVX-512 (a Zen 3, Intel before Skylake-SP), float3
 ones included, run on pagedserve's own GEMM instead (`csrc/cpu_fp32_gemm.cpp`, the weight packed
 into panels of 16 output features): on a 2-core Zen 3, SmolLM2-135M's decode step forward ran
 1.19x faster with it at one row, 1.24x at eight, 1.21x at 64 and 1.05x at 128 and 256 rows, its
-layers alone 1.25x at 512 (benchmarks/cpu_fp32_linear.py). Its sums run in one order whatever the batch, so a row's
-result does not depend on the rows beside it. Where AVX-512 is there, oneDNN's GEMM uses it and
-stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the log records.
+layers alone 1.25x at 512 (benchmarks/cpu_fp32_linear.py). Its sums run in one order whatever the
+batch, so a row's result does not depend on the rows beside it. Where AVX-512 is there, oneDNN's
+GEMM uses it and stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the log records.
 """
 
 from __future__ import annotations
