@@ -8,6 +8,7 @@ It separates what the scheduler does at saturation from what the Serve path cost
 
     python benchmarks/scheduler_saturation.py --model /work/smollm2-hf --num-prompts 40 --request-rates inf,4 --kv-cache-gib 1
     python benchmarks/scheduler_saturation.py --model /work/smollm2-hf --settings 2048x256,512x256 ...
+    python benchmarks/scheduler_saturation.py --model /work/smollm2-hf --settings 2048x128x0,2048x128x1 ...  # KV reservation
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--request-rates", default="inf,4")
-    parser.add_argument("--settings", default="default", help="comma list of BUDGETxMAX_NUM_SEQS, or 'default'")
+    parser.add_argument(
+        "--settings", default="default", help="comma list of BUDGETxMAX_NUM_SEQS[xSCHEDULE_CONSERVATIVENESS], or 'default'"
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
@@ -124,14 +127,17 @@ def main() -> None:
     for setting in args.settings.split(","):
         overrides = {}
         if setting != "default":
-            budget, max_seqs = setting.split("x")
+            budget, max_seqs, *conservativeness = setting.split("x")
             overrides = {"max_num_batched_tokens": int(budget), "max_num_seqs": int(max_seqs)}
+            if conservativeness:
+                overrides["schedule_conservativeness"] = float(conservativeness[0])
         llm = LLM(
             args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), **overrides
         )
         engine = llm.llm_engine
         scheduler = engine.engine_core.engine_core.scheduler
-        name = f"{scheduler.max_num_batched_tokens}x{scheduler.max_num_seqs}"
+        conservativeness = scheduler.reservation.conservativeness if scheduler.reservation else 0
+        name = f"{scheduler.max_num_batched_tokens}x{scheduler.max_num_seqs}x{conservativeness:g}"
         llm.generate([{"prompt_token_ids": prompts[0]}], use_tqdm=False)  # warm-up
         report["runs"][name] = {}
         for rate in args.request_rates.split(","):

@@ -56,6 +56,16 @@ class EngineConfig(BaseModel):
         description="Most requests running at once (decode batch rows); `pagedserve serve` on the CPU defaults to 128 "
         "(cluster/server_config.py says why).",
     )
+    schedule_conservativeness: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="How much KV cache a waiting request leaves for the running ones (SGLang's name): it is admitted only "
+        "if the free blocks also hold what each running request is expected to still write, its expected output being "
+        "the mean output length of finished requests times this factor (at most its max_tokens). 0: admit whatever fits "
+        "now, as vLLM does, and preempt the newest requests when the cache runs out; larger: fewer preemptions, smaller "
+        "batches.",
+    )
     num_gpu_blocks_override: int | None = Field(None, ge=1)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

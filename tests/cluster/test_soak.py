@@ -25,8 +25,8 @@ APP = "soak-test"
 def soak_url(serve_url, model_dirs):
     from ray import serve
 
-    # A small cache, so the short run also preempts.
-    engine = {"max_model_len": 256, "num_gpu_blocks_override": 24}
+    # A small cache, and no room reserved for outputs at admission, so the short run also preempts.
+    engine = {"max_model_len": 256, "num_gpu_blocks_override": 24, "schedule_conservativeness": 0}
     deploy(ServerConfig(model=str(model_dirs["llama"]), served_model_name="soak-llama", engine=engine), APP, "/soak")
     yield serve_url + "/soak"
     serve.delete(APP)

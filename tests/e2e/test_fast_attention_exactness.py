@@ -19,8 +19,9 @@ GROUPS = {1: (2, 2), 2: (4, 2), 3: (6, 2), 4: (4, 1), 8: (8, 1)}  # query heads 
 SHAPES = [(head_dim, group) for head_dim in (64, 128) for group in GROUPS]
 CONFIGS = {
     "default": {},
-    # Chunks of 16 tokens and 10 blocks of 16: prefill in pieces, and the batch keeps preempting.
-    "chunked_and_preempting": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10, "max_model_len": 160},
+    # Chunks of 16 tokens and 10 blocks of 16: prefill in pieces, and the batch keeps preempting
+    # (admission reserves no room for outputs).
+    "chunked_and_preempting": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10, "max_model_len": 160, "schedule_conservativeness": 0},
 }
 
 

@@ -36,9 +36,10 @@ CONFIGS = {
     "default": ({}, PROMPTS),
     "no_prefix_caching": ({"enable_prefix_caching": False}, PROMPTS),
     "chunked_prefill_budget_16": ({"max_num_batched_tokens": 16}, PROMPTS),
-    # 10 blocks of 16 tokens: the longest request needs 5, so the batch keeps preempting. The
-    # cache holds 160 tokens, so max_model_len must not ask for more.
-    "forced_preemption": ({"num_gpu_blocks_override": 10, "max_model_len": 160}, PROMPTS),
+    # 10 blocks of 16 tokens: the longest request needs 5, so the batch keeps preempting once
+    # admission stops reserving room for outputs. The cache holds 160 tokens, so max_model_len
+    # must not ask for more.
+    "forced_preemption": ({"num_gpu_blocks_override": 10, "max_model_len": 160, "schedule_conservativeness": 0}, PROMPTS),
     "max_num_seqs_2": ({"max_num_seqs": 2}, PROMPTS),
     "block_size_8_no_chunking": ({"block_size": 8, "enable_chunked_prefill": False}, PROMPTS),
     # auto's fallbacks where the native kernel cannot be built: the reference and the pure-torch
@@ -68,6 +69,8 @@ def test_greedy_matches_hf(arch, config_name, model_dirs, hf_references):
     llm = LLM(str(model_dirs[arch]), **{"max_model_len": 256, "dtype": "float32", **engine_args})
     try:
         engine_vs_hf(llm, hf_references[arch], prompts)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert (scheduler.reservation is None) == (engine_args.get("schedule_conservativeness") == 0)  # on by default
         if config_name == "forced_preemption":
             # The configuration must really exercise preemption, or this test proves nothing.
             assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions_total > 0
@@ -121,7 +124,7 @@ def test_mixed_batch_of_token_id_prompts_and_lengths(model_dirs, hf_references, 
 # fill the cache differently: prefill in chunks of 16 under constant preemption, and a shared
 # prefix's second run read from the cache.
 RAY_CONFIGS = {
-    "chunked_and_preempting": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10, "max_model_len": 160},
+    "chunked_and_preempting": {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 10, "max_model_len": 160, "schedule_conservativeness": 0},
     "prefix_hits": {},
 }
 

@@ -37,8 +37,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 CONFIGS = {
     "default": {},
     "chunked_prefill_budget_16": {"max_num_batched_tokens": 16},
-    # 12 blocks of 16 tokens for 8 requests of up to ~100 tokens each: the batch keeps preempting.
-    "forced_preemption": {"num_gpu_blocks_override": 12},
+    # 12 blocks of 16 tokens for 8 requests of up to ~100 tokens each: with no room reserved for
+    # outputs at admission, the batch keeps preempting.
+    "forced_preemption": {"num_gpu_blocks_override": 12, "schedule_conservativeness": 0},
 }
 
 

@@ -45,6 +45,8 @@ def test_unknown_engine_argument_is_named(model_dirs):
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"dtype": "float64"}, "dtype"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"schedule_conservativeness": -0.5}, "schedule_conservativeness"),
+        ({"schedule_conservativeness": float("inf")}, "schedule_conservativeness"),
         ({"attention_backend": "cuda"}, "attention_backend"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128}, "max_num_batched_tokens"),
     ],

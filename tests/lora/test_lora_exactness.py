@@ -16,7 +16,7 @@ NAMES = [None, *ADAPTERS]  # None: the base model, in the same batch
 CONFIGS = {
     "default": {},
     "chunked_prefill_budget_16": {"max_num_batched_tokens": 16},
-    "forced_preemption": {"num_gpu_blocks_override": 10, "max_model_len": 160},
+    "forced_preemption": {"num_gpu_blocks_override": 10, "max_model_len": 160, "schedule_conservativeness": 0},
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 

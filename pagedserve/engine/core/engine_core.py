@@ -72,6 +72,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             structured_outputs=self.structured_outputs,
             max_loras=config.max_loras if config.enable_lora else None,
+            schedule_conservativeness=config.schedule_conservativeness,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         # Children taken in so far (AddRequest x n, refused ones too): with the scheduler's waiting

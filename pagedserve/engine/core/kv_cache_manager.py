@@ -48,6 +48,11 @@ class KVCacheManager:
         # admitted, which would count it many times. allocate_slots counts it once, on admission.
         return blocks, len(blocks) * self.block_size
 
+    def num_free_blocks_beside(self, computed_blocks: list[KVCacheBlock]) -> int:
+        """Free blocks left once the request adopts its prefix-cache hits: hits with no other
+        user sit in the free queue, and adopting them takes them out of it."""
+        return self.pool.num_free_blocks - sum(1 for block in computed_blocks if block.ref_cnt == 0)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] = ()
     ) -> list[KVCacheBlock] | None:
@@ -58,9 +63,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(num_required - len(req_blocks) - len(computed_blocks), 0)
-        # Hits with no other user sit in the free queue: adopting them takes them out of it.
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+        if num_new_blocks > self.num_free_blocks_beside(computed_blocks):
             return None
         self.pool.touch(computed_blocks)
         self.req_to_blocks[request.request_id] = req_blocks

@@ -10,7 +10,10 @@ already in the cache). A step gives requests tokens to close that gap, spending 
    queue) until the allocation fits, possibly preempting the request itself.
 2. Then, if nothing was preempted this step, waiting requests in arrival order while the budget,
    `max_num_seqs` and the pool allow. Each first adopts its prefix-cache hits, which skip compute.
-   Without chunked prefill a prompt that does not fit in the remaining budget waits.
+   Without chunked prefill a prompt that does not fit in the remaining budget waits. With a
+   reservation (`schedule_conservativeness` > 0, engine/core/kv_reservation.py) a request also
+   waits until the pool holds its expected length besides what the running ones are expected to
+   still write, so that their growth does not preempt it.
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
@@ -33,6 +36,7 @@ import time
 from collections import deque
 
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_reservation import KVReservation
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, EngineCoreOutput, FinishReason
 from pagedserve.lora_request import LoRARequest
@@ -44,6 +48,8 @@ from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequest
 NO_BLOCKS: tuple[int, ...] = ()
 # Nothing to run but adapters being read: how long a step waits before asking the workers again.
 ADAPTER_POLL_S = 0.002
+# Finished requests whose output length tells how long replies run (an aborted one was cut short).
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +63,19 @@ class Scheduler:
         enable_chunked_prefill: bool,
         structured_outputs=None,
         max_loras: int | None = None,
+        schedule_conservativeness: float = 0.0,
     ):
         """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens).
-        `max_loras`: the most distinct adapters the running requests may use (the workers' slots)."""
+        `max_loras`: the most distinct adapters the running requests may use (the workers' slots).
+        `schedule_conservativeness`: 0 admits what fits now (vLLM's policy, and the default here so
+        that tests can provoke preemption); more reserves room for expected outputs (the engine's
+        default is 1, EngineConfig)."""
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
+        self.reservation = KVReservation(kv_cache_manager, schedule_conservativeness) if schedule_conservativeness > 0 else None
         # Adapters the sampling rank reported resident or read: a waiting request whose adapter
         # is not among them stays waiting while the workers read it off the step.
         self.ready_loras: frozenset[int] = frozenset()
@@ -182,6 +193,7 @@ class Scheduler:
         skipped: list[Request] = []  # their grammar is still compiling, or their adapter is not ready: the others go first
         running_loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         prefetch: dict[int, LoRARequest] = {}  # adapters being read for the skipped requests
+        reserved = None  # blocks the running requests are expected to still take (with a reservation)
         while not self._preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._is_grammar_ready(request):
@@ -203,8 +215,18 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+            reserve = self.reservation is not None and bool(self.running)  # alone, a request always may run
+            if reserve:
+                if reserved is None:  # once a step, and only while a request waits for room
+                    reserved = self.reservation.reserved_blocks(self.running)
+                need = self.reservation.blocks_to_come(request, len(computed_blocks))
+                if need > self.kv_cache_manager.num_free_blocks_beside(computed_blocks) - reserved:
+                    break  # it waits for running requests to finish, rather than preempt them later
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
                 break
+            if reserve:
+                reserved += need - len(new_blocks)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -310,6 +332,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
+        if self.reservation is not None and request.status in _COMPLETED:
+            self.reservation.observe(request.num_output_tokens)
         if request.grammar is not None:
             self.num_constrained -= 1
         self.kv_cache_manager.free(request)

@@ -26,9 +26,10 @@ def make_scheduler(
     chunked: bool = True,
     caching: bool = True,
     block_size: int = BS,
+    schedule_conservativeness: float = 0.0,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, budget, max_num_seqs, chunked)
+    return Scheduler(kv, budget, max_num_seqs, chunked, schedule_conservativeness=schedule_conservativeness)
 
 
 def make_request(req_id: str, prompt, max_model_len: int = 128, arrival: float = 0.0, **params) -> Request:
@@ -144,6 +145,9 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput, num_preemptions_bef
     if not sched.enable_chunked_prefill:  # every request gets its whole gap, never a chunk
         for req_id, n in scheduled.items():
             assert sched.requests[req_id].num_computed_tokens + n == sched.requests[req_id].num_tokens
+    if new_ids and sched.reservation is not None and len(sched.running) > 1:
+        # The last admission left the running requests room for their expected outputs.
+        assert sched.reservation.reserved_blocks(sched.running) <= sched.kv_cache_manager.pool.num_free_blocks
     _check_queues(sched, scheduled)
     _check_blocks(sched, scheduled)
 

@@ -17,7 +17,7 @@ CONFIGS = {
     "default": {},
     "chunked_prefill_budget_16": {"max_num_batched_tokens": 16},
     # 10 blocks of 16 tokens for 24 requests: the batch keeps preempting (test_hf_exactness's).
-    "forced_preemption": {"num_gpu_blocks_override": 10, "max_model_len": 160},
+    "forced_preemption": {"num_gpu_blocks_override": 10, "max_model_len": 160, "schedule_conservativeness": 0},
 }
 KINDS = [*SPECS, None]  # None: an unconstrained request in the same batch
 
