@@ -80,7 +80,7 @@ def summarize(runs: list[dict], values: list[float]) -> list[dict]:
         summary.append(
             dict(
                 conservativeness=value,
-                median_seconds=statistics.median(r["seconds"] for r in mine),
+                median_seconds=round(statistics.median(r["seconds"] for r in mine), 2),
                 preemptions=[r["preemptions"] for r in mine],
                 tokens_computed=[r["tokens_computed"] for r in mine],
             )
@@ -106,7 +106,7 @@ def main() -> int:
         runs=runs,
         summary=summarize(runs, values),
     )
-    print(common.write_report(report, args.output))
+    common.write_report(report, args.output)
     return 0
 
 
