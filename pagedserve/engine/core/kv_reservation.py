@@ -8,7 +8,7 @@ of the compute was redone (docs/benchmarks.md).
 
 With it, a waiting request is admitted only if the free blocks, besides its own, also hold what
 every running request is expected to still write. A request's expected output is the running
-mean of the output lengths of finished requests (`COLD_OUTPUT_TOKENS` until one finishes), times
+mean of the output lengths of finished requests (starting from `COLD_OUTPUT_TOKENS`), times
 the conservativeness, and at most its own `max_tokens`. So a workload with a known `max_tokens`
 that it reaches reserves exactly what it uses, and chat requests with no `max_tokens` (capped only
 by max_model_len) reserve what replies have really taken. Preemption stays the safety net for
@@ -25,9 +25,12 @@ from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core.request import Request
 
 # The expected output of a request before any has finished: a chat reply's order of magnitude.
-# Only requests without a smaller max_tokens reserve this much, and only until the first finish.
+# Only requests without a smaller max_tokens reserve this much, and less as requests finish.
 COLD_OUTPUT_TOKENS = 256
-# Weight of each finished request in the running mean: about the last 16 count.
+# The running mean averages the cold guess (as one request) and the first finished requests alike,
+# then weighs each new one by this: about the last 16 count. One short warm-up request then moves
+# the guess halfway, not all the way (a 16-token warm-up had a burst of 64-token requests reserve
+# 16 each, and preempt as before).
 MEAN_WEIGHT = 1 / 16
 
 
@@ -48,8 +51,7 @@ class KVReservation:
         """A request finished (stopped or reached its length) with this many outputs; aborted
         ones say nothing about how long replies are and are not observed."""
         self.num_observed += 1
-        # The first finish replaces the cold guess; later ones move the mean.
-        weight = 1.0 if self.num_observed == 1 else MEAN_WEIGHT
+        weight = max(1 / (self.num_observed + 1), MEAN_WEIGHT)
         self.mean_output_tokens += weight * (num_output_tokens - self.mean_output_tokens)
 
     def blocks_to_come(self, request: Request, num_held_blocks: int) -> int:
