@@ -138,6 +138,7 @@ def main() -> None:
         scheduler = engine.engine_core.engine_core.scheduler
         conservativeness = scheduler.reservation.conservativeness if scheduler.reservation else 0
         name = f"{scheduler.max_num_batched_tokens}x{scheduler.max_num_seqs}x{conservativeness:g}"
+        name += f"#{sum(1 for n in report['runs'] if n.split('#')[0] == name) + 1}"  # a setting given twice keeps both runs
         llm.generate([{"prompt_token_ids": prompts[0]}], use_tqdm=False)  # warm-up
         report["runs"][name] = {}
         for rate in args.request_rates.split(","):
