@@ -217,7 +217,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             reserve = self.reservation is not None and bool(self.running)  # alone, a request always may run
             if reserve:
-                if reserved is None:  # once a step, and only while a request waits for room
+                if reserved is None:  # at most once a step: only when a request waits and others run
                     reserved = self.reservation.reserved_blocks(self.running)
                 need = self.reservation.blocks_to_come(request, len(computed_blocks))
                 if need > self.kv_cache_manager.num_free_blocks_beside(computed_blocks) - reserved:
