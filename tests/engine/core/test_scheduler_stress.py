@@ -100,8 +100,8 @@ def _drive(rng: random.Random, sched, worker: FakeWorker, pending: list[Request]
 def _run(seed: int) -> dict:
     rng = random.Random(seed)
     config = _config(rng)
-    # Every third workload reserves KV for expected outputs at admission (kv_reservation.py); a
-    # separate draw, so that the workloads stay those the other seeds always had.
+    # Every third workload reserves KV for expected outputs at admission (kv_reservation.py),
+    # chosen by the seed and not drawn from rng, so each seed keeps the workload it always had.
     sched = make_scheduler(**config, schedule_conservativeness=(0.0, 0.0, 1.0)[seed % 3])
     worker = FakeWorker(config["block_size"], sample=lambda *_: EOS if rng.random() < 0.08 else rng.choice(VOCAB))
     requests = _requests(rng, config["num_blocks"] * config["block_size"])
