@@ -36,7 +36,8 @@ into panels of 16 output features): on a 2-core Zen 3, SmolLM2-135M's decode ste
 1.19x faster with it at one row, 1.24x at eight, 1.21x at 64 and 1.05x at 128 and 256 rows, its
 layers alone 1.25x at 512 (benchmarks/cpu_fp32_linear.py). Its sums run in one order whatever the
 batch, so a row's result does not depend on the rows beside it. Where AVX-512 is there, oneDNN's
-GEMM uses it and stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the log records.
+GEMM uses it and stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the
+log records.
 """
 
 from __future__ import annotations
