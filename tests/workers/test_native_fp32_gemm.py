@@ -1,7 +1,7 @@
 """pagedserve's own float32 GEMM (csrc/cpu_fp32_gemm.cpp), which cpu_gemm picks on CPUs with AVX2
 but no AVX-512: within float32's rounding of the exact product for any shape (tails of its 6-row
 and 16-column tiles, K split in blocks, a bias, strided rows); the same bits however K is split,
-and each row's result the same bits whatever it is batched with; the choice of GEMM as the
+whatever a row is batched with and whichever thread computes it; the choice of GEMM as the
 variable and the CPU say; and the whole model's forward on it, float32 and widened bfloat16. The
 kernel runs on every x86 CPU the tests run on (AVX2 is older than AVX-512), so these force it
 where `auto` would pick oneDNN."""
@@ -100,6 +100,33 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     for row in (0, 5, 96, 97, 249):
         assert torch.equal(run(batch[row : row + 1])[0], full[row])
         assert torch.equal(run(batch[max(0, row - 10) : row + 1])[-1], full[row])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_sharing_panels_among_threads_changes_no_bit(threads):
+    """Threads take panels from their own share and then from the others' (whichever finishes
+    first): every output written once, by the same arithmetic, whoever computes it. More threads
+    than cores (3 and 5 on the CI's two) keep some of them off a core mid-call, so panels are taken
+    from shares whose owner is still working. The outputs start as NaN: a panel no thread took,
+    or one taken twice and raced on, would show."""
+    generator = torch.Generator().manual_seed(threads)
+    cases = [(250, 70, 576, 2048), (7, 33, 100, 7), (200, 16, 40, 2048), (3, 960, 576, 256)]  # blocks of rows and of K, one panel
+    previous = torch.get_num_threads()
+    try:
+        for rows, out_features, in_features, k_block in cases:
+            x = torch.randn(rows, in_features, generator=generator)
+            weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+            bias = torch.randn(out_features, generator=generator)
+            panels = torch.ops.pagedserve_cpu.fp32_gemm_pack(weight)
+            torch.set_num_threads(1)
+            alone = _gemm(x, weight, bias, k_block)
+            torch.set_num_threads(threads)
+            for _ in range(20):
+                out = torch.full((rows, out_features), float("nan"))
+                torch.ops.pagedserve_cpu.fp32_gemm(out, x, panels, bias, k_block)
+                assert torch.equal(out, alone), (rows, out_features, in_features, k_block)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_pack_and_linear_take_the_native_gemm_when_chosen(native):

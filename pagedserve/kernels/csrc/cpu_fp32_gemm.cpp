@@ -13,7 +13,9 @@
 //   change measured on its own; it keeps a block of rows compact in L2);
 // - the k loop unrolled four times and the tile's results stored a vector at a time: 1.15-1.2x at
 //   64 to 1024 rows (140-150 GFLOP/s on the two cores; their FMA peak is about 183).
-// The threads split the output features, so each reads its share of the weight once per call.
+// The threads split the output features, so each reads its share of the weight once per call; a
+// thread done with its share takes panels from the end of another's (PanelShares), so one that
+// loses its core for a while does not hold up the whole call.
 //
 // Each output is one running sum over k in order, the bias added last, whatever the number of
 // rows, the row's place in the batch or `k_block`: a row's result does not depend on what it is
@@ -24,7 +26,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -151,6 +155,74 @@ bool fp32_gemm_built() {
 #endif
 }
 
+#if PAGEDSERVE_FP32_GEMM
+
+// Who computes which panel of a block of rows. Each thread starts on its own contiguous share of
+// the panels and takes them in order (so it can prefetch the next one); once its share is done, it
+// takes panels from the end of the share with the most left. On a small machine a model thread
+// loses its core now and then to the server's other processes; with fixed shares the whole call
+// then waits for it, and the other thread idles at the end. Stealing halves that delay.
+class PanelShares {
+ public:
+  PanelShares(int64_t blocks, int64_t threads, int64_t panels) : threads_(threads), shares_(blocks * threads) {
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t t = 0; t < threads; ++t)
+        shares_[b * threads + t].word.store(pack(t * panels / threads, (t + 1) * panels / threads));
+  }
+
+  // The next panel of the share (block, thread) from its front, or -1 once it is empty.
+  int64_t take_front(int64_t block, int64_t thread) { return take(at(block, thread), true); }
+
+  // A panel from the end of the fullest other share of the block, or -1 once all are empty.
+  int64_t steal(int64_t block, int64_t thread, int64_t* next) {
+    while (true) {
+      Share* fullest = nullptr;
+      int64_t most = 0;
+      for (int64_t t = 0; t < threads_; ++t) {
+        const uint64_t word = at(block, t).word.load(std::memory_order_relaxed);
+        if (t != thread && back(word) - front(word) > most) {
+          most = back(word) - front(word);
+          fullest = &at(block, t);
+        }
+      }
+      if (fullest == nullptr) return -1;
+      const int64_t panel = take(*fullest, false);
+      if (panel >= 0) {
+        *next = most > 1 ? panel - 1 : -1;  // the next steal most likely takes the one before
+        return panel;
+      }
+    }
+  }
+
+  // The panel after `panel` in the thread's own share, if it is still there (to prefetch).
+  int64_t next_own(int64_t block, int64_t thread, int64_t panel) {
+    return panel + 1 < back(at(block, thread).word.load(std::memory_order_relaxed)) ? panel + 1 : -1;
+  }
+
+ private:
+  struct alignas(64) Share {  // a cache line each: the owners' takes do not bounce one line
+    std::atomic<uint64_t> word{0};  // [front, back) of the share's panels: front low, back high
+  };
+  static uint64_t pack(int64_t front, int64_t back) { return uint64_t(front) | (uint64_t(back) << 32); }
+  static int64_t front(uint64_t word) { return int64_t(word & 0xffffffffu); }
+  static int64_t back(uint64_t word) { return int64_t(word >> 32); }
+  Share& at(int64_t block, int64_t thread) { return shares_[block * threads_ + thread]; }
+
+  static int64_t take(Share& share, bool from_front) {
+    uint64_t word = share.word.load(std::memory_order_relaxed);
+    while (front(word) < back(word)) {
+      const uint64_t taken = from_front ? pack(front(word) + 1, back(word)) : pack(front(word), back(word) - 1);
+      if (share.word.compare_exchange_weak(word, taken, std::memory_order_relaxed)) return from_front ? front(word) : back(word) - 1;
+    }
+    return -1;
+  }
+
+  int64_t threads_;
+  std::vector<Share> shares_;
+};
+
+#endif
+
 // out [M, N] = x [M, K] W^T (+ bias [N]), float32, W as fp32_gemm_pack left it. `k_block`: the
 // most of K one pass of a panel covers (a larger K is split, so a panel's share stays in L2).
 void fp32_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t k_block) {
@@ -170,24 +242,29 @@ void fp32_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, co
   const float* b = panels.data_ptr<float>();
   const float* bias_data = bias ? bias->data_ptr<float>() : nullptr;
   float* c = out.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t k0 = 0; k0 < K; k0 += k_block) {
-        const int64_t kc = std::min(K - k0, k_block);
-        for (int64_t p = p0; p < p1; ++p) {
-          const float* panel = b + (p * K + k0) * NR;
-          const int64_t cols = std::min(NR, N - p * NR);
-          const float* panel_bias = bias_data != nullptr ? bias_data + p * NR : nullptr;
-          for (int64_t m = m0; m < m1; m += MR) {
-            const float* next = (m == m0 && p + 1 < p1) ? panel + K * NR : nullptr;
-            TILES[std::min(MR, m1 - m)](a + m * K + k0 * MR, panel, next, kc, c + m * N + p * NR, N, k0 > 0,
-                                        k0 + kc == K ? panel_bias : nullptr, cols);
-          }
-        }
+  const int64_t threads = at::get_num_threads(), blocks = (M + MC - 1) / MC;
+  PanelShares shares(blocks, threads, P);
+  // One panel against one block of rows, over all of K: `next` (or -1) the panel to prefetch.
+  auto run = [&](int64_t block, int64_t p, int64_t next) {
+    const int64_t m0 = block * MC, m1 = std::min(M, m0 + MC), cols = std::min(NR, N - p * NR);
+    for (int64_t k0 = 0; k0 < K; k0 += k_block) {
+      const int64_t kc = std::min(K - k0, k_block);
+      const float* panel = b + (p * K + k0) * NR;
+      const float* panel_bias = bias_data != nullptr && k0 + kc == K ? bias_data + p * NR : nullptr;
+      for (int64_t m = m0; m < m1; m += MR) {
+        const float* ahead = m == m0 && next >= 0 ? b + (next * K + k0) * NR : nullptr;
+        TILES[std::min(MR, m1 - m)](a + m * K + k0 * MR, panel, ahead, kc, c + m * N + p * NR, N, k0 > 0, panel_bias, cols);
       }
     }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t block = 0; block < blocks; ++block) {
+        for (int64_t p = shares.take_front(block, t); p >= 0; p = shares.take_front(block, t))
+          run(block, p, shares.next_own(block, t, p));
+        int64_t next = -1;
+        for (int64_t p = shares.steal(block, t, &next); p >= 0; p = shares.steal(block, t, &next)) run(block, p, next);
+      }
   });
 #endif
 }
