@@ -83,6 +83,36 @@ def _timed_calls(fn: Callable[[], object], repeats: int, clock: Callable[[], flo
     return times
 
 
+# A child that burns a millisecond of CPU at a time, then sleeps: `fraction` of one core in all.
+_BURNER = """
+import sys, time
+burn, sleep = 1e-3, 1e-3 * (1 / float(sys.argv[1]) - 1)
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < burn:
+        pass
+    time.sleep(sleep)
+"""
+
+
+@contextlib.contextmanager
+def background_load(fraction: float) -> Iterator[None]:
+    """Another process taking `fraction` (0 to 1) of one core in 1 ms bursts while the block runs:
+    what a server's other processes (its proxy, Ray's raylet and controller) take from the model's
+    threads on a small machine. 0 starts nothing."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"background load {fraction}: a fraction of one core, at least 0 and below 1")
+    if fraction == 0:
+        yield
+        return
+    burner = subprocess.Popen([sys.executable, "-c", _BURNER, str(fraction)])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
 def least_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.thread_time) -> float:
     """The least time of `repeats` calls after a warm-up, in ms. The default clock is this
     thread's CPU time: other processes only ever add to it, so it holds on a loaded machine."""

@@ -5,9 +5,11 @@ layer's cache bound to one random paged cache (the cost is the same as separate 
 Run as a script: this tree against a baseline commit, at 1 and 2 torch threads: a decode step of
 8, 64, 128 and 256 rows (contexts 128-192) and a prefill chunk of 512 tokens, in half precision.
 What the native attention kernel, the packed linear layers and the fused layers buy, one step at
-a time. Each tree runs in its own process (the baseline `git archive`d, see common.py),
-alternately, `--rounds` times; the figure is the least wall time of `--repeats` calls. Wall time,
-because a second thread's work is not this thread's CPU time: run it on a quiet machine.
+a time. `--background-load 0.1` has another process take a tenth of a core meanwhile, as a
+server's other processes do on a small machine. Each tree runs in its own process (the baseline
+`git archive`d, see common.py), alternately, `--rounds` times; the figure is the least wall time
+of `--repeats` calls. Wall time, because a second thread's work is not this thread's CPU time:
+run it on a quiet machine.
 
     python benchmarks/cpu_forward.py --model /work/smollm2-hf --baseline HEAD~3 --output benchmarks/results/cpu_forward_vs.json
 
@@ -127,9 +129,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--background-load", type=float, default=0.0, metavar="FRACTION",
+        help="another process takes this fraction of one core in 1 ms bursts while each tree runs (a server's other processes)",
+    )
     parser.add_argument("--output", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not 0 <= args.background_load < 1:
+        parser.error(f"--background-load {args.background_load}: a fraction of one core, at least 0 and below 1")
+    return args
 
 
 def worker(args: argparse.Namespace) -> dict[str, float]:
@@ -165,9 +174,10 @@ def main() -> None:
                 for name, tree in trees.items():
                     print(f"[forward] {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
                     argv = ["--worker", "--model", args.model, "--dtype", args.dtype, "--threads", str(threads), "--repeats", str(args.repeats)]
-                    result = common.run_in_tree(tree, __file__, argv, env={"OMP_NUM_THREADS": str(threads)})
+                    with common.background_load(args.background_load):
+                        result = common.run_in_tree(tree, __file__, argv, env={"OMP_NUM_THREADS": str(threads)})
                     runs.setdefault(f"{threads}_threads", {}).setdefault(name, []).append(result)
-    report = {"model": args.model, "dtype": args.dtype, "baseline_commit": baseline_commit, "ms": {}, "speedup": {}}
+    report = {"model": args.model, "dtype": args.dtype, "background_load": args.background_load, "baseline_commit": baseline_commit, "ms": {}, "speedup": {}}
     for threads, by_tree in runs.items():
         best = {name: {step: min(r[step] for r in rs) for step in rs[0]} for name, rs in by_tree.items()}
         report["ms"][threads] = best

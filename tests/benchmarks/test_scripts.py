@@ -154,3 +154,22 @@ def test_timing_helpers():
     prompts = common.random_token_prompts(5, 2, 4, seed=1, vocab=(100, 110))
     assert prompts == common.random_token_prompts(5, 2, 4, seed=1, vocab=(100, 110))
     assert all(2 <= len(p) <= 4 and all(100 <= t < 110 for t in p) for p in prompts)
+
+
+def test_background_load_takes_its_share_of_a_core_and_stops():
+    """The burner takes about the fraction asked of one core while the block runs (its CPU time
+    over the block's wall time, loosely: a busy CI machine may give it less), and is gone after."""
+    import os
+    import time
+
+    before = os.times()
+    with common.background_load(0.5):
+        time.sleep(1.0)
+    after = os.times()
+    burned = after.children_user + after.children_system - before.children_user - before.children_system
+    assert 0.2 < burned < 0.8
+    with pytest.raises(ValueError, match="fraction of one core"):
+        with common.background_load(1.0):
+            pass
+    with common.background_load(0):  # nothing to start
+        pass
