@@ -107,8 +107,8 @@ def test_sharing_panels_among_threads_changes_no_bit(threads):
     """Threads take panels from their own share and then from the others' (whichever finishes
     first): every output written once, by the same arithmetic, whoever computes it. More threads
     than cores (3 and 5 on the CI's two) keep some of them off a core mid-call, so panels are taken
-    from shares whose owner is still working. The outputs start as NaN: a panel no thread took,
-    or one taken twice and raced on, would show."""
+    from shares whose owner is still working. The outputs start as NaN, so a panel no thread took
+    would show (skipping the stolen panels fails this at 2, 3 and 5 threads)."""
     generator = torch.Generator().manual_seed(threads)
     cases = [(250, 70, 576, 2048), (7, 33, 100, 7), (200, 16, 40, 2048), (3, 960, 576, 256)]  # blocks of rows and of K, one panel
     previous = torch.get_num_threads()
