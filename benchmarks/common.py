@@ -95,13 +95,20 @@ while True:
 """
 
 
+def background_load_error(fraction: float) -> str | None:
+    """What is wrong with a background load of `fraction`, or None: the scripts' flag checks it
+    where it is read, `background_load` where it is used."""
+    return None if 0 <= fraction < 1 else f"background load {fraction}: a fraction of one core, at least 0 and below 1"
+
+
 @contextlib.contextmanager
 def background_load(fraction: float) -> Iterator[None]:
     """Another process taking `fraction` (0 to 1) of one core in 1 ms bursts while the block runs:
     what a server's other processes (its proxy, Ray's raylet and controller) take from the model's
     threads on a small machine. 0 starts nothing."""
-    if not 0 <= fraction < 1:
-        raise ValueError(f"background load {fraction}: a fraction of one core, at least 0 and below 1")
+    error = background_load_error(fraction)
+    if error:
+        raise ValueError(error)
     if fraction == 0:
         yield
         return

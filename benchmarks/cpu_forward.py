@@ -136,8 +136,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not 0 <= args.background_load < 1:
-        parser.error(f"--background-load {args.background_load}: a fraction of one core, at least 0 and below 1")
+    error = common.background_load_error(args.background_load)
+    if error:
+        parser.error(f"--background-load: {error}")
     return args
 
 
