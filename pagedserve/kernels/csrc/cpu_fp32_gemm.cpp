@@ -8,7 +8,8 @@
 // - a 6-row by 16-column register tile: twelve accumulators, two weight loads and six broadcasts
 //   for twelve FMAs per k;
 // - while a panel's first row tile runs, the next panel is prefetched into L2, so the weight
-//   stream from memory overlaps the arithmetic instead of stalling each panel's first tile;
+//   stream from memory overlaps the arithmetic instead of stalling each panel's first tile (from
+//   three rows up: PREFETCH_MIN_ROWS);
 // - the input rows packed six at a time, k-major, so a tile's broadcasts read one stream (no
 //   change measured on its own; it keeps a block of rows compact in L2);
 // - the k loop unrolled four times and the tile's results stored a vector at a time: 1.15-1.2x at
@@ -42,6 +43,13 @@ constexpr int64_t MR = 6;   // input rows per tile: 12 accumulators of the 16 ve
 // Input rows per pass over the panels (a multiple of MR): their packed copy stays in L2 while the
 // panels stream past; the weight is read once per block of rows.
 constexpr int64_t MC = 96;
+// The fewest rows in a block for which a panel's tile prefetches the next panel. Below it (a
+// decode step of one or two requests) a panel's arithmetic is too short to hide the second
+// stream, and the hardware prefetcher alone streams the thread's contiguous panels faster: the
+// one-row pass over SmolLM2's layers and LM head ran 1.16x faster on two threads and 1.23x on
+// one without it (17.1 GB/s, what a plain read loop gets from one core), two rows 1.08x, three
+// or more rows level (a 2-core Zen 3).
+constexpr int64_t PREFETCH_MIN_ROWS = 3;
 
 // W [N, K] -> panels [ceil(N / 16), K, 16]; the last panel's missing features are zeros.
 at::Tensor fp32_gemm_pack(const at::Tensor& weight) {
@@ -255,7 +263,8 @@ void fp32_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, co
       const float* panel = b + (p * K + k0) * NR;
       const float* panel_bias = bias_data != nullptr && k0 + kc == K ? bias_data + p * NR : nullptr;
       for (int64_t m = m0; m < m1; m += MR) {
-        const float* ahead = m == m0 && next >= 0 ? b + (next * K + k0) * NR : nullptr;
+        const bool prefetch = m == m0 && next >= 0 && m1 - m0 >= PREFETCH_MIN_ROWS;
+        const float* ahead = prefetch ? b + (next * K + k0) * NR : nullptr;
         TILES[std::min(MR, m1 - m)](a + m * K + k0 * MR, panel, ahead, kc, c + m * N + p * NR, N, k0 > 0, panel_bias, cols);
       }
     }
