@@ -8,6 +8,7 @@ no pagedserve, and the tools under `tools/` import it too.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -147,6 +148,17 @@ def parse_range(text: str) -> tuple[int, int]:
     """'MIN:MAX' -> (MIN, MAX)."""
     low, high = map(int, text.split(":"))
     return low, high
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """'1,2,8' -> (1, 2, 8): an argparse type, so a bad list is a usage error naming the flag."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 1, got {text!r}")
+    return values
 
 
 def default_baseline() -> str:

@@ -3,7 +3,8 @@ attention backend in half precision, the reference in float32, as `auto` picks),
 layer's cache bound to one random paged cache (the cost is the same as separate ones).
 
 Run as a script: this tree against a baseline commit, at 1 and 2 torch threads: a decode step of
-8, 64, 128 and 256 rows (contexts 128-192) and a prefill chunk of 512 tokens, in half precision.
+8, 64, 128 and 256 rows (contexts 128-192; `--decode-rows 1,2` for one or two requests in flight)
+and a prefill chunk of 512 tokens, in half precision.
 What the native attention kernel, the packed linear layers and the fused layers buy, one step at
 a time. `--background-load 0.1` has another process take a tenth of a core meanwhile, as a
 server's other processes do on a small machine. Each tree runs in its own process (the baseline
@@ -127,6 +128,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     common.add_baseline_argument(parser)
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument(
+        "--decode-rows", type=common.positive_ints, default=DECODE_ROWS, metavar="N,N,...",
+        help="the decode steps' rows (requests in flight), comma-separated; the prefill chunk runs after the last",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -149,10 +154,11 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     result = {}
     with torch.inference_mode():
         model = build(Path(args.model), dtype, 4096)
-        for rows in DECODE_ROWS:
+        for index, rows in enumerate(args.decode_rows):
             shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=512)
             batches = steps(model, shape, dtype)
-            names = [("decode", f"decode_{rows}")] + ([("prefill", "prefill_512")] if rows == DECODE_ROWS[-1] else [])
+            last = index == len(args.decode_rows) - 1
+            names = [("decode", f"decode_{rows}")] + ([("prefill", "prefill_512")] if last else [])
             for kind, name in names:
                 input_ids, positions, meta, kv_cache = batches[kind]
                 for attn in model.attention_layers():
@@ -175,6 +181,7 @@ def main() -> None:
                 for name, tree in trees.items():
                     print(f"[forward] {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
                     argv = ["--worker", "--model", args.model, "--dtype", args.dtype, "--threads", str(threads), "--repeats", str(args.repeats)]
+                    argv += ["--decode-rows", ",".join(map(str, args.decode_rows))]
                     with common.background_load(args.background_load):
                         result = common.run_in_tree(tree, __file__, argv, env={"OMP_NUM_THREADS": str(threads)})
                     runs.setdefault(f"{threads}_threads", {}).setdefault(name, []).append(result)

@@ -173,3 +173,19 @@ def test_background_load_takes_its_share_of_a_core_and_stops():
             pass
     with common.background_load(0):  # nothing to start
         pass
+
+
+def test_positive_ints_parses_a_list_and_refuses_what_is_not_one():
+    import argparse
+
+    assert common.positive_ints("1,2,8") == (1, 2, 8)
+    for bad in ("", "1,,2", "0,4", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.positive_ints(bad)
+
+
+def test_cpu_forward_refuses_decode_rows_below_one():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cpu_forward.py"), "--model", "m", "--decode-rows", "0,8"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "--decode-rows" in result.stderr and "at least 1" in result.stderr
