@@ -171,20 +171,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor | NativeWeight, bias: torch.Ten
 def native_linear(x: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Through the native float32 GEMM; a half-precision input (a widened layer) goes up to
     float32 and its result back down once, as in `onednn_linear`."""
-    if bias is None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
-        # A float32 model's layers: nothing to reshape or convert. Four no-op tensor calls fewer,
-        # of 1-3 us each, 121 times a SmolLM2 step: a one-row decode forward 1.03x and 1.23x in
-        # two runs, two rows 1.09x and 1.11x (2-core Zen 3, cpu_forward.py --decode-rows; noisy).
-        out = x.new_empty(x.shape[0], packed.out_features)
-        torch.ops.pagedserve_cpu.fp32_gemm(out, x, packed.panels, None, NATIVE_K_BLOCK)
-        return out
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    # Each reshape and conversion only where it does something: a float32 model's 2-D rows skip
+    # four no-op tensor calls of 1-3 us, 121 times a SmolLM2 step (a one-row decode forward 1.03x
+    # and 1.23x in two runs, two rows 1.09x and 1.11x; 2-core Zen 3, cpu_forward.py --decode-rows).
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.to(torch.float32).contiguous()
     out = rows.new_empty(rows.shape[0], packed.out_features)
     wide_bias = bias.to(torch.float32).contiguous() if bias is not None else None
     torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, wide_bias, NATIVE_K_BLOCK)
-    return out.view(*x.shape[:-1], packed.out_features).to(x.dtype)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], packed.out_features)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
