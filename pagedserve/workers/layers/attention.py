@@ -41,6 +41,12 @@ def forward_context(meta: AttentionMetadata | None, layers: dict[int, Attention]
         _forward_context.reset(token)
 
 
+def current_meta() -> AttentionMetadata | None:
+    """The step's metadata, or None outside a step (no forward_context, or the profiling pass)."""
+    context = _forward_context.get()
+    return context.meta if context is not None else None
+
+
 def current_context() -> ForwardContext:
     context = _forward_context.get()
     if context is None:

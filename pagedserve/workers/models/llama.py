@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.kernels import AttentionBackend, AttentionMetadata
 from pagedserve.workers.layers.activation import SiluAndMul
-from pagedserve.workers.layers.attention import Attention, forward_context
+from pagedserve.workers.layers.attention import Attention, current_meta, forward_context
 from pagedserve.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -26,6 +26,7 @@ from pagedserve.workers.layers.linear import (
 )
 from pagedserve.workers.layers.norm import RMSNorm
 from pagedserve.workers.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.workers.models.native_layers import NativeLayers
 from pagedserve.workers.parallel_state import ParallelContext, layer_range
 
 
@@ -134,15 +135,32 @@ class LlamaModel(nn.Module):
             {str(i): LlamaDecoderLayer(cfg, opts, parallel, rotary, backend, i) for i in stage_layers}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
+        # The layers' native CPU path (native_layers.py): decided at the first real step, after
+        # the weights are packed; False where the layers need their modules.
+        self._native_layers: NativeLayers | bool | None = None
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 0 embeds `input_ids`; later stages continue from the previous stage's `hidden`.
         Attention reads the step's metadata from `forward_context`, set by the caller."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            hidden = layer(positions, hidden)
+        native = None if torch.compiler.is_compiling() else self._native_path(hidden)
+        if native is not None:
+            hidden = native.forward(hidden, positions, current_meta())
+        else:
+            for layer in self.layers.values():
+                hidden = layer(positions, hidden)
         return self.norm(hidden) if self.norm is not None else hidden
+
+    def _native_path(self, hidden: torch.Tensor) -> NativeLayers | None:
+        """The native layers if this step takes them."""
+        meta = current_meta()
+        if meta is None:  # the memory-profiling pass: before the weights are packed
+            return None
+        if self._native_layers is None:
+            self._native_layers = NativeLayers.of(list(self.layers.values())) or False
+        native = self._native_layers
+        return native if native and native.takes(hidden) else None
 
 
 class LlamaForCausalLM(nn.Module):

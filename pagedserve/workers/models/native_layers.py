@@ -1,0 +1,113 @@
+"""The Llama decoder layers of a float32 model on the CPU's native kernels, called one after
+another without the module tree.
+
+Each layer's eager forward is about a dozen module calls, each asking which kernel takes its input
+(`fused_kernels`, `can_fuse`), whether the step has adapters, and how to shape its rows, and
+reaching its weights through `nn.Module.__getattr__`. On a small CPU that Python took a quarter of a
+one-row float32 decode step of SmolLM2 (about 9 of 33 ms on a 2-core Zen 3). Here those questions
+are answered once: when the plan is made (which kernels, which weights) and once per step (no
+adapter, the hidden state one `cpu_native` fuses). Each layer then calls the kernels its modules
+would, with the same arguments in the same order (`cpu_gemm.native_linear`'s GEMM call for a 2-D
+float32 input, `cpu_native`'s fused layers and attention), so the results are the same bits
+(tests/workers/test_native_layers.py holds them equal to the module path).
+
+The plan exists for a float32 model whose linear layers are all packed for the native GEMM (no
+small-batch copy kept) with the native attention backend and no per-head q/k norm (Qwen3); any
+other model, a step with adapters, and torch.compile run the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import AttentionMetadata, backend, cpu_native
+from pagedserve.workers.layers.cpu_gemm import NATIVE_K_BLOCK, NativeWeight
+from pagedserve.workers.lora.context import current_groups
+
+
+class _Linear:
+    """One packed linear layer's GEMM: the panels, the output width and the bias, looked up once."""
+
+    __slots__ = ("panels", "out_features", "bias", "all_reduce")
+
+    def __init__(self, module: nn.Module, row_parallel: bool):
+        self.panels = module.packed_weight.panels
+        self.out_features = module.packed_weight.out_features
+        self.bias = module.bias
+        # Row-parallel layers sum their shards, then add the bias once (RowParallelLinear).
+        self.all_reduce = module.parallel.all_reduce if row_parallel else None
+
+    @staticmethod
+    def eligible(module: nn.Module) -> bool:
+        packed = module.packed_weight
+        return isinstance(packed, NativeWeight) and packed.panels.dtype == torch.float32 and module.weight.numel() == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        if self.all_reduce is None:  # ColumnParallelLinear: the bias inside the GEMM
+            torch.ops.pagedserve_cpu.fp32_gemm(out, x, self.panels, self.bias, NATIVE_K_BLOCK)
+            return out
+        torch.ops.pagedserve_cpu.fp32_gemm(out, x, self.panels, None, NATIVE_K_BLOCK)
+        out = self.all_reduce(out)
+        return out + self.bias if self.bias is not None else out
+
+
+class _Layer:
+    """One decoder layer: its weights, shapes and attention module, looked up once."""
+
+    def __init__(self, layer: nn.Module):
+        attention, mlp = layer.self_attn, layer.mlp
+        self.norm1 = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.norm2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self.qkv, self.o = _Linear(attention.qkv_proj, False), _Linear(attention.o_proj, True)
+        self.gate_up, self.down = _Linear(mlp.gate_up_proj, False), _Linear(mlp.down_proj, True)
+        self.attn = attention.attn  # its kv_cache is read each step: the runner may bind a new one
+        self.split = [attention.qkv_proj.q_size, attention.qkv_proj.kv_size, attention.qkv_proj.kv_size]
+        self.heads, self.kv_heads, self.head_dim = self.attn.num_heads, self.attn.num_kv_heads, self.attn.head_dim
+        self.scale = self.attn.scale
+        self.cos, self.sin = attention.rotary.cos, attention.rotary.sin
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rows, kv_cache = hidden.shape[0], self.attn.kv_cache
+        q, k, v = self.qkv(cpu_native.rms_norm(hidden, *self.norm1)).split(self.split, dim=-1)
+        q = cpu_native.rotary(q.reshape(rows, self.heads, self.head_dim), positions, self.cos, self.sin)
+        k = cpu_native.rotary(k.reshape(rows, self.kv_heads, self.head_dim), positions, self.cos, self.sin)
+        v = v.reshape(rows, self.kv_heads, self.head_dim)
+        cpu_native.write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # every row before any query reads
+        out = cpu_native.paged_attention(q, k, v, kv_cache, meta, self.scale)
+        hidden = hidden + self.o(out.view(rows, self.heads * self.head_dim))
+        gate_up = self.gate_up(cpu_native.rms_norm(hidden, *self.norm2))
+        return hidden + self.down(cpu_native.silu_and_mul(gate_up))
+
+
+class NativeLayers:
+    """A stage's decoder layers on the native path, for the steps that can take it."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = [_Layer(layer) for layer in layers]
+
+    @classmethod
+    def of(cls, layers: list[nn.Module]) -> NativeLayers | None:
+        """The layers' native path, or None where a layer needs its modules (see the module doc)."""
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(linear.packed_weight is not None and _Linear.eligible(linear) for linear in linears):
+                return None
+            if attention.q_norm is not None or attention.attn.backend is not backend.NATIVE:
+                return None
+            if layer.input_layernorm.weight.dtype != torch.float32:  # a widened half-precision layer
+                return None
+        return cls(layers)
+
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether this step runs here: no adapter in it, and a float32 hidden state `cpu_native`
+        fuses (not under torch.compile). The caller has checked it is a real step."""
+        return hidden.dtype == torch.float32 and current_groups() is None and cpu_native.can_fuse(hidden)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        positions = positions.long().contiguous()  # once for every layer's rotary, not twice a layer
+        for layer in self.layers:
+            hidden = layer.forward(hidden, positions, meta)
+        return hidden
