@@ -1,0 +1,89 @@
+"""The decoder layers' native CPU path (workers/models/native_layers.py) against the module tree
+it replaces, for a float32 model on the native GEMM: one model, one process, the two paths
+alternating step by step, so the machine's drift falls on both alike. Each step is a decode step
+of `--rows` requests (128-192 tokens of context) or, with `--prefill`, one prompt's chunk; both
+paths must give the same bits, or the script stops.
+
+cpu_forward.py compares trees, each in its own process; on a small shared VM the difference
+between two processes' least times drifted as much as this path's gain, so this one alternates.
+
+    python benchmarks/native_layers.py --model /work/smollm2-hf --rows 1,4,16 --prefill 128 --output benchmarks/results/native_layers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import positive_ints, write_report  # noqa: E402
+from cpu_forward import build, steps  # noqa: E402
+
+from pagedserve.workers.layers import cpu_gemm  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
+    parser.add_argument("--rows", type=positive_ints, default=[1, 4, 16], metavar="N,N,...", help="decode steps' rows")
+    parser.add_argument("--prefill", type=positive_ints, default=[128], metavar="N,N,...", help="prefill chunks' tokens")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=60, help="steps per path")
+    parser.add_argument("--output", type=Path)
+    return parser.parse_args()
+
+
+def compare(model, step: tuple, repeats: int) -> dict:
+    input_ids, positions, meta, kv_cache = step
+    for attn in model.attention_layers():
+        attn.kv_cache = kv_cache
+    forward = lambda: model(input_ids, positions, meta)  # noqa: E731
+    forward()  # decides the native path
+    native = model.model._native_layers
+    if not native:
+        raise SystemExit("the native path does not take this model (a float32 Llama on the native GEMM needed)")
+    paths = {"native": native, "modules": False}
+    outputs = {}
+    for name, plan in paths.items():
+        model.model._native_layers = plan
+        outputs[name] = forward()
+    if not torch.equal(outputs["native"], outputs["modules"]):
+        raise SystemExit("the native path's hidden states differ from the modules'")
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i in range(repeats):
+        for name in list(paths)[i % 2 :] + list(paths)[: i % 2]:
+            model.model._native_layers = paths[name]
+            start = time.perf_counter()
+            forward()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    model.model._native_layers = native
+    result = {f"{name}_{stat}_ms": round(fn(ts), 2) for name, ts in times.items() for stat, fn in (("median", statistics.median), ("least", min))}
+    result["speedup_median"] = round(result["modules_median_ms"] / result["native_median_ms"], 3)
+    return result
+
+
+@torch.inference_mode()
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    cpu_gemm._fp32_gemm[:] = ["native"]  # the path's GEMM, as `auto` picks it without AVX-512
+    model = build(Path(args.model), torch.float32, 4096)
+    report: dict = {"model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": {}}
+    for rows in args.rows:
+        shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=1)
+        report["steps"][f"decode_{rows}"] = compare(model, steps(model, shape, torch.float32)["decode"], args.repeats)
+        print(f"decode {rows}: {report['steps'][f'decode_{rows}']}", file=sys.stderr, flush=True)
+    for tokens in args.prefill:
+        shape = argparse.Namespace(num_seqs=1, min_context=128, max_context=192, prefill_tokens=tokens)
+        report["steps"][f"prefill_{tokens}"] = compare(model, steps(model, shape, torch.float32)["prefill"], max(4, args.repeats // 4))
+        print(f"prefill {tokens}: {report['steps'][f'prefill_{tokens}']}", file=sys.stderr, flush=True)
+    write_report(report, args.output)
+
+
+if __name__ == "__main__":
+    main()
