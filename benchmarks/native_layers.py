@@ -13,6 +13,7 @@ between two processes' least times drifted as much as this path's gain, so this 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ def compare(model, step: tuple, repeats: int) -> dict:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    cpu_gemm._fp32_gemm[:] = ["native"]  # the path's GEMM, as `auto` picks it without AVX-512
+    os.environ.setdefault(cpu_gemm.ENV_FP32_GEMM, "native")  # the path's GEMM, as `auto` picks it without AVX-512
     model = build(Path(args.model), torch.float32, 4096)
     report: dict = {"model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": {}}
     for rows in args.rows:

@@ -177,12 +177,17 @@ def native_linear(x: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | No
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.to(torch.float32).contiguous()
-    out = rows.new_empty(rows.shape[0], packed.out_features)
-    wide_bias = bias.to(torch.float32).contiguous() if bias is not None else None
-    torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, wide_bias, NATIVE_K_BLOCK)
+    out = native_gemm(rows, packed, bias.to(torch.float32).contiguous() if bias is not None else None)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], packed.out_features)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def native_gemm(rows: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows W^T (+ bias) for float32 rows [n, in] with unit column stride and a float32 bias."""
+    out = rows.new_empty(rows.shape[0], packed.out_features)
+    torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, bias, NATIVE_K_BLOCK)
+    return out
 
 
 def small_linear(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

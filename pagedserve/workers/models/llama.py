@@ -144,23 +144,20 @@ class LlamaModel(nn.Module):
         Attention reads the step's metadata from `forward_context`, set by the caller."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(input_ids)
-        native = None if torch.compiler.is_compiling() else self._native_path(hidden)
-        if native is not None:
-            hidden = native.forward(hidden, positions, current_meta())
+        # No metadata: the memory-profiling pass, before the weights are packed.
+        meta = None if torch.compiler.is_compiling() else current_meta()
+        if meta is not None and self._native_path_takes(hidden):
+            hidden = self._native_layers.forward(hidden, positions, meta)
         else:
             for layer in self.layers.values():
                 hidden = layer(positions, hidden)
         return self.norm(hidden) if self.norm is not None else hidden
 
-    def _native_path(self, hidden: torch.Tensor) -> NativeLayers | None:
-        """The native layers if this step takes them."""
-        meta = current_meta()
-        if meta is None:  # the memory-profiling pass: before the weights are packed
-            return None
+    def _native_path_takes(self, hidden: torch.Tensor) -> bool:
+        """Whether this real step runs on the native layers (deciding them at the first)."""
         if self._native_layers is None:
             self._native_layers = NativeLayers.of(list(self.layers.values())) or False
-        native = self._native_layers
-        return native if native and native.takes(hidden) else None
+        return bool(self._native_layers) and self._native_layers.takes(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,9 +7,9 @@ reaching its weights through `nn.Module.__getattr__`. On a small CPU that Python
 one-row float32 decode step of SmolLM2 (about 9 of 33 ms on a 2-core Zen 3). Here those questions
 are answered once: when the plan is made (which kernels, which weights) and once per step (no
 adapter, the hidden state one `cpu_native` fuses). Each layer then calls the kernels its modules
-would, with the same arguments in the same order (`cpu_gemm.native_linear`'s GEMM call for a 2-D
-float32 input, `cpu_native`'s fused layers and attention), so the results are the same bits
-(tests/workers/test_native_layers.py holds them equal to the module path).
+would, with the same arguments in the same order (`cpu_gemm.native_gemm`, which `native_linear`
+calls for 2-D float32 rows, and `cpu_native`'s fused layers and attention), so the results are the
+same bits (tests/workers/test_native_layers.py holds them equal to the module path).
 
 The plan exists for a float32 model whose linear layers are all packed for the native GEMM (no
 small-batch copy kept) with the native attention backend and no per-head q/k norm (Qwen3); any
@@ -22,19 +22,17 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import AttentionMetadata, backend, cpu_native
-from pagedserve.workers.layers.cpu_gemm import NATIVE_K_BLOCK, NativeWeight
+from pagedserve.workers.layers.cpu_gemm import NativeWeight, native_gemm
 from pagedserve.workers.lora.context import current_groups
 
 
 class _Linear:
-    """One packed linear layer's GEMM: the panels, the output width and the bias, looked up once."""
+    """One packed linear layer's GEMM: its weight and bias, looked up once."""
 
-    __slots__ = ("panels", "out_features", "bias", "all_reduce")
+    __slots__ = ("packed", "bias", "all_reduce")
 
     def __init__(self, module: nn.Module, row_parallel: bool):
-        self.panels = module.packed_weight.panels
-        self.out_features = module.packed_weight.out_features
-        self.bias = module.bias
+        self.packed, self.bias = module.packed_weight, module.bias
         # Row-parallel layers sum their shards, then add the bias once (RowParallelLinear).
         self.all_reduce = module.parallel.all_reduce if row_parallel else None
 
@@ -44,12 +42,9 @@ class _Linear:
         return isinstance(packed, NativeWeight) and packed.panels.dtype == torch.float32 and module.weight.numel() == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[0], self.out_features)
         if self.all_reduce is None:  # ColumnParallelLinear: the bias inside the GEMM
-            torch.ops.pagedserve_cpu.fp32_gemm(out, x, self.panels, self.bias, NATIVE_K_BLOCK)
-            return out
-        torch.ops.pagedserve_cpu.fp32_gemm(out, x, self.panels, None, NATIVE_K_BLOCK)
-        out = self.all_reduce(out)
+            return native_gemm(x, self.packed, self.bias)
+        out = self.all_reduce(native_gemm(x, self.packed, None))
         return out + self.bias if self.bias is not None else out
 
 
@@ -93,7 +88,7 @@ class NativeLayers:
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(linear.packed_weight is not None and _Linear.eligible(linear) for linear in linears):
+            if not all(_Linear.eligible(linear) for linear in linears):
                 return None
             if attention.q_norm is not None or attention.attn.backend is not backend.NATIVE:
                 return None
@@ -102,9 +97,9 @@ class NativeLayers:
         return cls(layers)
 
     def takes(self, hidden: torch.Tensor) -> bool:
-        """Whether this step runs here: no adapter in it, and a float32 hidden state `cpu_native`
-        fuses (not under torch.compile). The caller has checked it is a real step."""
-        return hidden.dtype == torch.float32 and current_groups() is None and cpu_native.can_fuse(hidden)
+        """Whether this step runs here: no adapter in it, and a hidden state `cpu_native` fuses
+        (float32, as `of` checked the weights). The caller has checked it is a real step."""
+        return current_groups() is None and cpu_native.can_fuse(hidden)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         positions = positions.long().contiguous()  # once for every layer's rotary, not twice a layer
