@@ -1,19 +1,22 @@
 """The decoder layers' native CPU path (workers/models/native_layers.py) against the module tree
-it replaces, for a float32 model on the native GEMM: one model, one process, the two paths
-alternating step by step, so the machine's drift falls on both alike. Each step is a decode step
+it replaces: one model, one process, the two paths alternating step by step, so the machine's drift falls on both alike. Each step is a decode step
 of `--rows` requests (128-192 tokens of context) or, with `--prefill`, one prompt's chunk; both
 paths must give the same bits, or the script stops.
 
 cpu_forward.py compares trees, each in its own process; on a small shared VM the difference
 between two processes' least times drifted as much as this path's gain, so this one alternates.
 
-    python benchmarks/native_layers.py --model /work/smollm2-hf --rows 1,4,16 --prefill 128 --output benchmarks/results/native_layers.json
+    python benchmarks/native_layers.py --model /work/smollm2-hf --dtype bfloat16 --rows 1,4,16 --prefill 128 --output benchmarks/results/native_layers.json
+
+The linear layers are packed as a server packs them on this CPU: float32 on the native GEMM without
+AVX-512 and on oneDNN with it (`PAGEDSERVE_FP32_GEMM=native` or `=onednn` forces one), bfloat16 on
+oneDNN with the small-batch kernel where the CPU has AVX-512 BF16, widened onto float32 panels where
+it has no AVX-512.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,12 +30,15 @@ from cpu_forward import build, steps  # noqa: E402
 
 from pagedserve.workers.layers import cpu_gemm  # noqa: E402
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Llama-family Hugging Face folder")
     parser.add_argument("--rows", type=positive_ints, default=[1, 4, 16], metavar="N,N,...", help="decode steps' rows")
     parser.add_argument("--prefill", type=positive_ints, default=[128], metavar="N,N,...", help="prefill chunks' tokens")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=60, help="steps per path")
     parser.add_argument("--output", type=Path)
@@ -47,7 +53,7 @@ def compare(model, step: tuple, repeats: int) -> dict:
     forward()  # decides the native path
     native = model.model._native_layers
     if not native:
-        raise SystemExit("the native path does not take this model (a float32 Llama on the native GEMM needed)")
+        raise SystemExit("the native path does not take this model (a Llama-family model with packed linear layers needed)")
     paths = {"native": native, "modules": False}
     outputs = {}
     for name, plan in paths.items():
@@ -72,16 +78,19 @@ def compare(model, step: tuple, repeats: int) -> dict:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.setdefault(cpu_gemm.ENV_FP32_GEMM, "native")  # the path's GEMM, as `auto` picks it without AVX-512
-    model = build(Path(args.model), torch.float32, 4096)
-    report: dict = {"model": args.model, "threads": args.threads, "repeats": args.repeats, "steps": {}}
+    dtype = DTYPES[args.dtype]
+    model = build(Path(args.model), dtype, 4096)
+    report: dict = {
+        "model": args.model, "dtype": args.dtype, "fp32_gemm": cpu_gemm.fp32_gemm(), "small_batch_rows": sorted(cpu_gemm.kernel_rows()),
+        "threads": args.threads, "repeats": args.repeats, "steps": {},
+    }  # fmt: skip
     for rows in args.rows:
         shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=1)
-        report["steps"][f"decode_{rows}"] = compare(model, steps(model, shape, torch.float32)["decode"], args.repeats)
+        report["steps"][f"decode_{rows}"] = compare(model, steps(model, shape, dtype)["decode"], args.repeats)
         print(f"decode {rows}: {report['steps'][f'decode_{rows}']}", file=sys.stderr, flush=True)
     for tokens in args.prefill:
         shape = argparse.Namespace(num_seqs=1, min_context=128, max_context=192, prefill_tokens=tokens)
-        report["steps"][f"prefill_{tokens}"] = compare(model, steps(model, shape, torch.float32)["prefill"], max(4, args.repeats // 4))
+        report["steps"][f"prefill_{tokens}"] = compare(model, steps(model, shape, dtype)["prefill"], max(4, args.repeats // 4))
         print(f"prefill {tokens}: {report['steps'][f'prefill_{tokens}']}", file=sys.stderr, flush=True)
     write_report(report, args.output)
 

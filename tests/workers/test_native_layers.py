@@ -1,7 +1,9 @@
 """The decoder layers' native CPU path (workers/models/native_layers.py) computes what the module
 tree computes, to the bit, for every architecture it takes (GQA, MQA with its own head_dim, QKV
-bias with tied embeddings), in mixed prefill-and-decode and decode-only steps; and it steps aside
-where a step needs the modules: per-head q/k norm (Qwen3), bfloat16, the profiling pass, a step
+bias with tied embeddings), in mixed prefill-and-decode and decode-only steps, on each GEMM a
+linear layer can be packed for (the native float32 GEMM, oneDNN in float32 and bfloat16 with the
+small-batch kernel for a few rows, bfloat16 widened onto float32 panels); and it steps aside where
+a step needs the modules: per-head q/k norm (Qwen3), unpacked layers, the profiling pass, a step
 with adapters."""
 
 from __future__ import annotations
@@ -25,12 +27,34 @@ MIXED = {"query_lens": (1, 1, 9, 5), "context_lens": (30, 12, 0, 7)}
 DECODE = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
 
 
+needs_onednn_bf16 = pytest.mark.skipif(
+    not cpu_gemm.packs_dtype(torch.bfloat16), reason="no AVX-512 here: oneDNN packs no bfloat16 GEMM (the widened case runs instead)"
+)
+# (the model's dtype, the float32 GEMM, whether oneDNN packs bfloat16): each way `cpu_gemm.pack`
+# can pack a layer. "bf16-onednn" keeps the plain weights for the small-batch kernel where it is
+# built (AVX-512 BF16), so its decode steps of 1-4 rows take that kernel.
+GEMMS = {
+    "fp32-native": (torch.float32, "native", None),
+    "fp32-onednn": (torch.float32, "onednn", None),
+    "bf16-widened": (torch.bfloat16, "native", False),
+    "bf16-onednn": pytest.param((torch.bfloat16, "onednn", None), marks=needs_onednn_bf16),
+}
+
+
 @pytest.fixture(autouse=True)
 def native_gemm(monkeypatch):
-    """The path is the native GEMM's, which `auto` picks on CPUs without AVX-512: forced here so
-    it runs on every x86 machine (all have AVX2); a failed build fails rather than skips."""
+    """The native GEMM unless a test asks otherwise (`auto` picks it on CPUs without AVX-512):
+    forced here so it runs on every x86 machine (all have AVX2); a failed build fails rather
+    than skips."""
     assert native_build.load() and torch.ops.pagedserve_cpu.fp32_gemm_built(), "the native CPU kernels did not build"
     monkeypatch.setattr(cpu_gemm, "_fp32_gemm", ["native"])
+
+
+def _packing(monkeypatch, fp32_gemm: str, onednn_bf16: bool | None) -> None:
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [fp32_gemm])
+    if onednn_bf16 is False:  # widened onto float32 panels, as on a CPU without AVX-512
+        monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda dtype: dtype == torch.float32)
+        monkeypatch.setattr(cpu_gemm, "small_batch_rows", lambda: 0)
 
 
 def _runs(monkeypatch) -> list[int]:
@@ -46,32 +70,53 @@ def _runs(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("gemm", GEMMS.values(), ids=GEMMS.keys())
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("step", [MIXED, DECODE], ids=["mixed", "decode"])
 @torch.inference_mode()
-def test_the_native_layers_are_the_modules_to_the_bit(name, step, model_dirs, monkeypatch):
-    model = build(model_dirs[name], torch.float32, max_positions=128)
+def test_the_native_layers_are_the_modules_to_the_bit(gemm, name, step, model_dirs, monkeypatch):
+    dtype, fp32_gemm, onednn_bf16 = gemm
+    _packing(monkeypatch, fp32_gemm, onednn_bf16)
+    model = build(model_dirs[name], dtype, max_positions=128)
     runs = _runs(monkeypatch)
     native = _forward(model, **step)
     assert runs == [1] and isinstance(model.model._native_layers, NativeLayers)
     model.model._native_layers = False  # the module tree
     modules = _forward(model, **step)
     assert runs == [1]
-    assert torch.equal(native, modules)
+    assert native.dtype == dtype and torch.equal(native, modules)
 
 
 @torch.inference_mode()
-def test_per_head_qk_norm_and_bfloat16_run_the_modules(model_dirs, monkeypatch):
+def test_the_bfloat16_layers_call_the_kernels_their_modules_do(model_dirs, monkeypatch):
+    """The plan's linears pass the plain weight on, so a decode step of a few rows takes the
+    small-batch kernel where it is built, as the modules do, and oneDNN (or the widened GEMM) otherwise."""
+    model = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
+    _forward(model, **DECODE)
+    plan = model.model._native_layers
+    assert isinstance(plan, NativeLayers)
+    linear = plan.layers[0].qkv
+    assert not linear.native and linear.plain is model.model.layers["0"].self_attn.qkv_proj.weight
+    read = []  # the plain weights the small-batch kernel read (the LM head's among them)
+    kernel = cpu_gemm.small_linear
+    monkeypatch.setattr(cpu_gemm, "small_linear", lambda x, plain, bias: read.append(plain) or kernel(x, plain, bias))
+    _forward(model, **DECODE)  # three rows
+    took_kernel = any(weight is linear.plain for weight in read)
+    assert took_kernel == (3 in cpu_gemm.kernel_rows())  # AVX-512 BF16: the kernel reads the plain weight
+
+
+@torch.inference_mode()
+def test_per_head_qk_norm_and_unpacked_layers_run_the_modules(model_dirs, monkeypatch):
     runs = _runs(monkeypatch)
     qwen3 = build(model_dirs["qwen3"], torch.float32, max_positions=128)
     _forward(qwen3)
     assert qwen3.model._native_layers is False
-    # Widened onto the same float32 panels, but the layers between are bfloat16.
+    # float16 with neither oneDNN's float16 GEMM nor widening: those layers stay on F.linear.
     monkeypatch.setattr(cpu_gemm, "packs_dtype", lambda dtype: dtype == torch.float32)
-    monkeypatch.setattr(cpu_gemm, "small_batch_rows", lambda: 0)
-    bf16 = build(model_dirs["llama"], torch.bfloat16, max_positions=128)
-    _forward(bf16)
-    assert bf16.model._native_layers is False and runs == []
+    monkeypatch.setenv(cpu_gemm.ENV_WIDE_FP16, "0")
+    fp16 = build(model_dirs["llama"], torch.float16, max_positions=128)
+    _forward(fp16)
+    assert fp16.model._native_layers is False and runs == []
 
 
 @torch.inference_mode()

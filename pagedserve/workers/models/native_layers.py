@@ -1,19 +1,23 @@
-"""The Llama decoder layers of a float32 model on the CPU's native kernels, called one after
-another without the module tree.
+"""The Llama decoder layers on the CPU's native kernels, called one after another without the
+module tree.
 
 Each layer's eager forward is about a dozen module calls, each asking which kernel takes its input
 (`fused_kernels`, `can_fuse`), whether the step has adapters, and how to shape its rows, and
 reaching its weights through `nn.Module.__getattr__`. On a small CPU that Python took a quarter of a
 one-row float32 decode step of SmolLM2 (about 9 of 33 ms on a 2-core Zen 3). Here those questions
 are answered once: when the plan is made (which kernels, which weights) and once per step (no
-adapter, the hidden state one `cpu_native` fuses). Each layer then calls the kernels its modules
-would, with the same arguments in the same order (`cpu_gemm.native_gemm`, which `native_linear`
-calls for 2-D float32 rows, and `cpu_native`'s fused layers and attention), so the results are the
-same bits (tests/workers/test_native_layers.py holds them equal to the module path).
+adapter, a hidden state `cpu_native` fuses). Each layer then calls the kernels its modules would,
+with the same arguments in the same order, so the results are the same bits
+(tests/workers/test_native_layers.py holds them equal to the module path):
+- a linear layer calls `cpu_gemm.linear` with its packed weight, bias and plain weight, as the
+  module does (oneDNN's packed GEMM, the small-batch kernel for a few bf16 rows, the native GEMM,
+  a widened half-precision weight); a float32 model's layers packed for the native GEMM alone
+  call `cpu_gemm.native_gemm`, which `native_linear` calls for 2-D float32 rows;
+- the norms, rotary embedding, KV cache write, attention and SiLU-and-multiply call `cpu_native`.
 
-The plan exists for a float32 model whose linear layers are all packed for the native GEMM (no
-small-batch copy kept) with the native attention backend and no per-head q/k norm (Qwen3); any
-other model, a step with adapters, and torch.compile run the modules.
+The plan exists for a model whose linear layers are all packed for the CPU (`pack_for_cpu`), with
+the native attention backend and no per-head q/k norm (Qwen3); any other model, a step with
+adapters, and torch.compile run the modules.
 """
 
 from __future__ import annotations
@@ -22,29 +26,37 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import AttentionMetadata, backend, cpu_native
-from pagedserve.workers.layers.cpu_gemm import NativeWeight, native_gemm
+from pagedserve.workers.layers import cpu_gemm
+from pagedserve.workers.layers.cpu_gemm import NativeWeight
 from pagedserve.workers.lora.context import current_groups
 
 
 class _Linear:
-    """One packed linear layer's GEMM: its weight and bias, looked up once."""
+    """One packed linear layer's GEMM: its weights and bias, looked up once."""
 
-    __slots__ = ("packed", "bias", "all_reduce")
+    __slots__ = ("packed", "bias", "plain", "native", "all_reduce")
 
     def __init__(self, module: nn.Module, row_parallel: bool):
-        self.packed, self.bias = module.packed_weight, module.bias
+        self.packed, self.bias, self.plain = module.packed_weight, module.bias, module.weight
+        # A float32 layer on the native GEMM with no plain copy: `cpu_gemm.linear` would only pass
+        # its 2-D float32 rows on to `native_gemm`, so call that directly.
+        self.native = isinstance(self.packed, NativeWeight) and module.weight.dtype == torch.float32 and module.weight.numel() == 0
         # Row-parallel layers sum their shards, then add the bias once (RowParallelLinear).
         self.all_reduce = module.parallel.all_reduce if row_parallel else None
 
     @staticmethod
     def eligible(module: nn.Module) -> bool:
-        packed = module.packed_weight
-        return isinstance(packed, NativeWeight) and packed.panels.dtype == torch.float32 and module.weight.numel() == 0
+        return module.packed_weight is not None
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.native:
+            return cpu_gemm.native_gemm(x, self.packed, bias)
+        return cpu_gemm.linear(x, self.packed, bias, self.plain)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.all_reduce is None:  # ColumnParallelLinear: the bias inside the GEMM
-            return native_gemm(x, self.packed, self.bias)
-        out = self.all_reduce(native_gemm(x, self.packed, None))
+            return self.gemm(x, self.bias)
+        out = self.all_reduce(self.gemm(x, None))
         return out + self.bias if self.bias is not None else out
 
 
@@ -92,13 +104,11 @@ class NativeLayers:
                 return None
             if attention.q_norm is not None or attention.attn.backend is not backend.NATIVE:
                 return None
-            if layer.input_layernorm.weight.dtype != torch.float32:  # a widened half-precision layer
-                return None
         return cls(layers)
 
     def takes(self, hidden: torch.Tensor) -> bool:
         """Whether this step runs here: no adapter in it, and a hidden state `cpu_native` fuses
-        (float32, as `of` checked the weights). The caller has checked it is a real step."""
+        (the model's dtype). The caller has checked it is a real step."""
         return current_groups() is None and cpu_native.can_fuse(hidden)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
