@@ -96,9 +96,21 @@ def _flags() -> list[str]:
 
 
 def _cpu_flags() -> str:
+    return _cpuinfo_field("flags")
+
+
+def cpu_vendor_family() -> tuple[str, int | None]:
+    """The first CPU's vendor ("AuthenticAMD", "GenuineIntel") and family number, from
+    /proc/cpuinfo; ("", None) where it does not say (another OS or architecture)."""
+    family = _cpuinfo_field("cpu family").partition(":")[2].strip()
+    return _cpuinfo_field("vendor_id").partition(":")[2].strip(), int(family) if family.isdigit() else None
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first line of /proc/cpuinfo for `name`, or ""."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(name):
                 return line
     except OSError:
         pass

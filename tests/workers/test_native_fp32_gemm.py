@@ -164,13 +164,34 @@ def test_the_variable_chooses_the_gemm(value, expected, monkeypatch):
     assert cpu_gemm.fp32_gemm() == expected
 
 
-def test_auto_takes_the_native_gemm_where_there_is_no_avx512(monkeypatch):
-    """Measured on a Zen 3 (AVX2 only) the native GEMM was faster; with AVX-512, oneDNN's uses it."""
+AVX512 = frozenset({"avx512", "avx512_bf16"})
+
+
+@pytest.mark.parametrize(
+    "paths, cpu, expected",
+    [
+        (frozenset({"avx2"}), ("AuthenticAMD", 25), "native"),  # Zen 3
+        (frozenset({"avx2"}), ("GenuineIntel", 6), "native"),
+        (AVX512, ("AuthenticAMD", 25), "native"),  # Zen 4: AVX-512 in two halves
+        (AVX512, ("AuthenticAMD", 26), "onednn"),  # Zen 5: full width
+        (AVX512, ("GenuineIntel", 6), "onednn"),
+        (AVX512, ("", None), "onednn"),  # /proc/cpuinfo does not say
+    ],
+)
+def test_auto_takes_the_native_gemm_without_full_width_avx512(paths, cpu, expected, monkeypatch):
+    """Measured, the native GEMM was faster on a Zen 3 (AVX2 only) and on a Zen 4 (AVX-512 in two
+    256-bit halves); with full-width AVX-512, oneDNN's uses it."""
     monkeypatch.delenv(cpu_gemm.ENV_FP32_GEMM, raising=False)
-    for paths, expected in ((frozenset({"avx2"}), "native"), (frozenset({"avx512", "avx512_bf16"}), "onednn")):
-        monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [])
-        monkeypatch.setattr(native_build, "compiled_paths", lambda paths=paths: paths)
-        assert cpu_gemm.fp32_gemm() == expected
+    monkeypatch.setattr(cpu_gemm, "_fp32_gemm", [])
+    monkeypatch.setattr(native_build, "compiled_paths", lambda: paths)
+    monkeypatch.setattr(native_build, "cpu_vendor_family", lambda: cpu)
+    assert cpu_gemm.fp32_gemm() == expected
+
+
+def test_the_cpu_is_read_from_cpuinfo():
+    vendor, family = native_build.cpu_vendor_family()
+    text = Path("/proc/cpuinfo").read_text()
+    assert f"vendor_id\t: {vendor}" in text and f"cpu family\t: {family}" in text
 
 
 def test_an_unknown_choice_says_what_is_allowed(monkeypatch):

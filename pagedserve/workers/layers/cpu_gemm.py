@@ -30,14 +30,15 @@ decode step's forward 1.2-1.7x faster at one to three rows and 1.06x at four, on
 threads of a 2-core Zen 4 (benchmarks/results/cpu_small_linear.json). Which of the one to four
 row counts take it on the CPU at hand, the model runner times at start-up (small_batch_choice.py).
 
-Where the CPU has AVX2 but no AVX-512 (a Zen 3, Intel before Skylake-SP), float32 layers, widened
-ones included, run on pagedserve's own GEMM instead (`csrc/cpu_fp32_gemm.cpp`, the weight packed
-into panels of 16 output features): on a 2-core Zen 3, SmolLM2-135M's decode step forward ran
-1.19x faster with it at one row, 1.24x at eight, 1.21x at 64 and 1.05x at 128 and 256 rows, its
-layers alone 1.25x at 512 (benchmarks/cpu_fp32_linear.py). Its sums run in one order whatever the
-batch, so a row's result does not depend on the rows beside it. Where AVX-512 is there, oneDNN's
-GEMM uses it and stays. `PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the
-log records.
+Where the CPU has AVX2 but no AVX-512 (a Zen 3, Intel before Skylake-SP), or runs AVX-512 in two
+256-bit halves (a Zen 4), float32 layers, widened ones included, run on pagedserve's own GEMM
+instead (`csrc/cpu_fp32_gemm.cpp`, the weight packed into panels of 16 output features): on a
+2-core Zen 3, SmolLM2-135M's decode step forward ran 1.19x faster with it at one row, 1.24x at
+eight, 1.21x at 64 and 1.05x at 128 and 256 rows, its layers alone 1.25x at 512
+(benchmarks/cpu_fp32_linear.py); on a Zen 4 see `avx512_in_halves`. Its sums run in one order
+whatever the batch, so a row's result does not depend on the rows beside it. Where full-width
+AVX-512 is there (a Zen 5, Intel since Skylake-SP), oneDNN's GEMM uses it and stays.
+`PAGEDSERVE_FP32_GEMM=onednn` or `=native` overrides the choice, which the log records.
 """
 
 from __future__ import annotations
@@ -149,13 +150,28 @@ def _choose_fp32_gemm() -> str:
     if asked == "native" and not built:
         raise RuntimeError(f"{ENV_FP32_GEMM}=native: the native kernels did not build with AVX2 and FMA on this machine")
     if asked == "auto":
-        has_avx512 = "avx512" in native_build.compiled_paths()
-        asked = "native" if built and not has_avx512 else "onednn"
-        why = "AVX2 without AVX-512 here" if asked == "native" else ("AVX-512 here" if has_avx512 else "no native AVX2 kernel built")
+        has_avx512, halves = "avx512" in native_build.compiled_paths(), avx512_in_halves()
+        asked = "native" if built and (not has_avx512 or halves) else "onednn"
+        if not built:
+            why = "no native AVX2 kernel built"
+        elif has_avx512:
+            why = "AVX-512 in two 256-bit halves here (AMD Zen 4)" if halves else "AVX-512 here"
+        else:
+            why = "AVX2 without AVX-512 here"
     else:
         why = f"{ENV_FP32_GEMM}={asked}"
     logger.info("float32 linear layers run on %s (%s)", "pagedserve's native AVX2 GEMM" if asked == "native" else "oneDNN's packed GEMM", why)
     return asked
+
+
+def avx512_in_halves() -> bool:
+    """Whether this CPU runs a 512-bit instruction as two 256-bit halves: AMD's family 25 (Zen 3
+    has no AVX-512, Zen 4 splits it; Zen 5, family 26, has full-width units). There oneDNN's
+    AVX-512 float32 GEMM gains nothing in arithmetic, and on a 2-core Zen 4 the native AVX2 GEMM
+    ran SmolLM2's float32 forward 1.14x (a 128-token prefill) to 1.54x (one decode row) faster
+    (benchmarks/native_layers.py with each PAGEDSERVE_FP32_GEMM); its layers alone 1.41x at one
+    row, 1.13x at 64, and 0.99x and 0.97x at 256 and 1024 (cpu_fp32_linear_zen4.json)."""
+    return native_build.cpu_vendor_family() == ("AuthenticAMD", 25)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor | NativeWeight, bias: torch.Tensor | None, plain: torch.Tensor | None = None) -> torch.Tensor:
