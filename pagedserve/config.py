@@ -50,6 +50,15 @@ class EngineConfig(BaseModel):
         description="Most tokens one step computes (prefill chunks and decodes together). Default: 2048, "
         "or max_model_len if larger when enable_chunked_prefill is off (a whole prompt must fit in one step).",
     )
+    min_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="With chunked prefill, a step's budget while few requests run: each step may compute "
+        "max(this, 16 x the running requests) tokens, at most max_num_batched_tokens, so a wave of new "
+        "prompts gets its first tokens in turn rather than all at the end of one long step, and a long step comes only "
+        "when many rows share it. None: every step max_num_batched_tokens. `pagedserve serve` on the CPU defaults to "
+        "512 (cluster/server_config.py says why).",
+    )
     max_num_seqs: int = Field(
         256,
         ge=1,
@@ -148,6 +157,19 @@ class EngineConfig(BaseModel):
         if value < 1 or value > 256 or value & (value - 1):
             raise ValueError("must be a power of two between 1 and 256")
         return value
+
+    @model_validator(mode="after")
+    def _least_budget_needs_chunking(self) -> EngineConfig:
+        if self.min_num_batched_tokens is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "min_num_batched_tokens needs enable_chunked_prefill: without chunking a prompt longer than a step's "
+                "budget could not run; leave min_num_batched_tokens unset or enable chunked prefill"
+            )
+        if None not in (self.min_num_batched_tokens, self.max_num_batched_tokens) and self.min_num_batched_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"min_num_batched_tokens ({self.min_num_batched_tokens}) must be <= max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _budget_fits_without_chunking(self) -> EngineConfig:

@@ -24,6 +24,15 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
 # 570-614 ms, 222-230 against 219-231 output tok/s, TTFT p50 12.4-12.9 against 12.0 s (two runs
 # each; docs/benchmarks.md).
 SERVER_CPU_MAX_NUM_SEQS = 128
+# And its steps compute at least this many tokens, more as more requests run (EngineConfig's
+# min_num_batched_tokens; offline engines keep every step at max_num_batched_tokens). 16 prompts of
+# 128 tokens at once in one 2048-token step all wait for its end; in steps of 512 they get their
+# first tokens four by four. pagedserve alone, SmolLM2 bf16 on 2 Zen 4 cores, 64 prompts at 16 in
+# flight (two runs each, a fixed 512 against 2048): TTFT p50 609 / 641 against 1284 / 1264 ms,
+# 289 / 293 against 302 / 310 tok/s; at 64 in flight 3081 / 3014 against 3450 / 3380 ms; a
+# 200-prompt burst was either side of 2048 (TTFT p50 10.3 / 11.0 against 10.5 / 9.6 s), which the
+# growth with the running requests is for (docs/benchmarks.md).
+SERVER_CPU_MIN_NUM_BATCHED_TOKENS = 512
 
 
 class AutoscalingConfig(BaseModel):
@@ -315,12 +324,17 @@ class ServerConfig(BaseModel):
 
     def replica_engine_config(self, has_gpu: bool) -> EngineConfig:
         """The engine config a replica runs (`has_gpu`: the replica's process sees a GPU): the
-        server's on a GPU, with SERVER_CPU_MAX_NUM_SEQS on the CPU unless the settings name one."""
+        server's on a GPU; on the CPU with SERVER_CPU_MAX_NUM_SEQS and SERVER_CPU_MIN_NUM_BATCHED_TOKENS
+        where the settings name neither (the latter with chunked prefill only)."""
         engine = self.engine_config()
         on_cpu = engine.device == "cpu" or (engine.device == "auto" and not has_gpu)
-        if on_cpu and "max_num_seqs" not in self.engine:
-            return engine.model_copy(update={"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS})
-        return engine
+        if not on_cpu:
+            return engine
+        update = {} if "max_num_seqs" in self.engine else {"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS}
+        if "min_num_batched_tokens" not in self.engine and engine.enable_chunked_prefill:
+            cap = engine.max_num_batched_tokens or SERVER_CPU_MIN_NUM_BATCHED_TOKENS
+            update["min_num_batched_tokens"] = min(SERVER_CPU_MIN_NUM_BATCHED_TOKENS, cap)
+        return engine.model_copy(update=update) if update else engine
 
     def resolve_api_key(self) -> str | None:
         """The key clients must send: `api_key`, else the contents of `api_key_file`, else

@@ -13,7 +13,7 @@ from pagedserve.cluster.launcher import (
     server_cpu_kv_cache_bytes,
     slow_serve_control_loop,
 )
-from pagedserve.cluster.server_config import SERVER_CPU_MAX_NUM_SEQS, ServerConfig
+from pagedserve.cluster.server_config import SERVER_CPU_MAX_NUM_SEQS, SERVER_CPU_MIN_NUM_BATCHED_TOKENS, ServerConfig
 from pagedserve.config import EngineConfig
 
 TWO_CORES = {"CPU": 2.0}
@@ -93,6 +93,23 @@ def test_a_cpu_replica_caps_its_batch_unless_told(engine, has_gpu, expected):
     config = ServerConfig(engine=engine)
     assert config.replica_engine_config(has_gpu=has_gpu).max_num_seqs == expected
     assert config.engine_config().max_num_seqs == engine.get("max_num_seqs", 256)  # offline and the driver: unchanged
+
+
+@pytest.mark.parametrize(
+    "engine, has_gpu, expected",
+    [
+        ({}, False, SERVER_CPU_MIN_NUM_BATCHED_TOKENS),  # a CPU replica: short steps while few requests run
+        ({}, True, None),  # a GPU: every step the full budget
+        ({"min_num_batched_tokens": 1024}, False, 1024),  # said by the user: kept
+        ({"max_num_batched_tokens": 256}, False, 256),  # never above the budget
+        ({"enable_chunked_prefill": False}, False, None),  # a whole prompt must fit in every step
+    ],
+    ids=["cpu", "gpu", "user", "small-budget", "no-chunking"],
+)
+def test_a_cpu_replica_takes_short_steps_while_few_requests_run(engine, has_gpu, expected):
+    config = ServerConfig(engine=engine)
+    assert config.replica_engine_config(has_gpu=has_gpu).min_num_batched_tokens == expected
+    assert config.engine_config().min_num_batched_tokens == engine.get("min_num_batched_tokens")  # offline: unchanged
 
 
 def test_serve_control_loop_slows_unless_the_environment_says_otherwise():

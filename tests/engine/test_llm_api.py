@@ -49,6 +49,9 @@ def test_unknown_engine_argument_is_named(model_dirs):
         ({"schedule_conservativeness": float("inf")}, "schedule_conservativeness"),
         ({"attention_backend": "cuda"}, "attention_backend"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128}, "max_num_batched_tokens"),
+        ({"enable_chunked_prefill": False, "min_num_batched_tokens": 64}, "min_num_batched_tokens needs enable_chunked_prefill"),
+        ({"min_num_batched_tokens": 512, "max_num_batched_tokens": 256}, r"min_num_batched_tokens \(512\) must be <= max_num_batched_tokens \(256\)"),
+        ({"min_num_batched_tokens": 0}, "min_num_batched_tokens"),
     ],
 )
 def test_bad_engine_argument_is_named(model_dirs, kwargs, field):

@@ -73,6 +73,7 @@ class EngineCore:
             structured_outputs=self.structured_outputs,
             max_loras=config.max_loras if config.enable_lora else None,
             schedule_conservativeness=config.schedule_conservativeness,
+            min_num_batched_tokens=config.min_num_batched_tokens,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         # Children taken in so far (AddRequest x n, refused ones too): with the scheduler's waiting

@@ -4,6 +4,11 @@ Algorithm. Each request knows `num_tokens` (prompt + outputs) and `num_computed_
 already in the cache). A step gives requests tokens to close that gap, spending at most
 `max_num_batched_tokens`:
 
+With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
+requests): few running rows, short steps (a wave of prompts gets its first tokens in turn, and
+the running streams their next ones sooner); many, the full budget (the rows' share of each step
+stays at most 1/16).
+
 1. Running requests first, oldest first. Each gets its whole gap (1 token when decoding) or what
    is left of the budget (a prefill chunk). When the pool has no blocks for it, the newest running
    request is preempted (blocks freed, computed count reset, back to the front of the waiting
@@ -48,6 +53,10 @@ from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequest
 NO_BLOCKS: tuple[int, ...] = ()
 # Nothing to run but adapters being read: how long a step waits before asking the workers again.
 ADAPTER_POLL_S = 0.002
+# With a least step budget: the step's prefill tokens per running request it keeps to, so that the
+# running rows (each about one prompt token's work, its LM head and sampling besides) take at most
+# a sixteenth of a step.
+STEP_TOKENS_PER_RUNNING = 16
 # Finished requests whose output length tells how long replies run (an aborted one was cut short).
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -64,14 +73,17 @@ class Scheduler:
         structured_outputs=None,
         max_loras: int | None = None,
         schedule_conservativeness: float = 0.0,
+        min_num_batched_tokens: int | None = None,
     ):
         """Each Request carries its own length limit (`length_cap`: max_model_len and max_tokens).
         `max_loras`: the most distinct adapters the running requests may use (the workers' slots).
         `schedule_conservativeness`: 0 admits what fits now (vLLM's policy, and the default here so
         that tests can provoke preemption); more reserves room for expected outputs (the engine's
-        default is 1, EngineConfig)."""
+        default is 1, EngineConfig). `min_num_batched_tokens`: the least step budget (see above); None:
+        every step `max_num_batched_tokens`."""
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_num_batched_tokens = min_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
@@ -150,8 +162,14 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
 
+    def step_budget(self) -> int:
+        """The most tokens this step computes."""
+        if self.min_num_batched_tokens is None:
+            return self.max_num_batched_tokens
+        return min(self.max_num_batched_tokens, max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * len(self.running)))
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = step_budget = self.step_budget()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         diffs = CachedRequestData()  # for the running requests, which the workers hold
@@ -243,7 +261,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         finished, self.finished_req_ids = self.finished_req_ids, set()
         preempted, self.preempted_req_ids = self.preempted_req_ids, set()
-        total = self.max_num_batched_tokens - budget
+        total = step_budget - budget
         retired, self.retired_loras = self.retired_loras, set()
         output = SchedulerOutput(
             new_reqs, diffs, num_scheduled, total, finished, preempted, prefetch_loras=list(prefetch.values()), retired_lora_ids=retired

@@ -27,9 +27,12 @@ def make_scheduler(
     caching: bool = True,
     block_size: int = BS,
     schedule_conservativeness: float = 0.0,
+    min_budget: int | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, budget, max_num_seqs, chunked, schedule_conservativeness=schedule_conservativeness)
+    return Scheduler(
+        kv, budget, max_num_seqs, chunked, schedule_conservativeness=schedule_conservativeness, min_num_batched_tokens=min_budget
+    )
 
 
 def make_request(req_id: str, prompt, max_model_len: int = 128, arrival: float = 0.0, **params) -> Request:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.core.request import RequestStatus
+from pagedserve.engine.core.scheduler import STEP_TOKENS_PER_RUNNING
 from tests.engine.core.scheduler_harness import (
     EOS,
     FILLER,
@@ -111,6 +112,32 @@ def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
     assert computed_before == [8, 16]  # chunks 2 and 3 start where the previous one ended
     assert outputs == [[], [], [[FILLER]]]
     assert sched.requests["a"].num_computed_tokens == 20
+
+
+def test_a_least_budget_grows_with_the_running_requests():
+    """min_num_batched_tokens: a step computes max(least, 16 x running) tokens, at most the budget,
+    so a wave of prompts starts two by two here, then in larger steps as more of them run."""
+    assert STEP_TOKENS_PER_RUNNING == 16
+    sched, worker = make_scheduler(budget=64, min_budget=16), FakeWorker()
+    for i, name in enumerate("abcdef"):
+        sched.add_request(make_request(name, prompt(i, 8), max_tokens=3))
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 8}  # nothing runs: the least budget
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 8, "d": 8, "e": 8, "f": 6}  # 2 running: 32
+    out, _ = step(sched, worker)
+    assert out.total_num_scheduled_tokens == 7 and out.num_scheduled_tokens["f"] == 2  # five decodes, f's rest
+    assert sched.step_budget() == 64  # 6 running: 96, capped at the budget
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_without_a_least_budget_every_step_has_the_whole_budget():
+    sched, worker = make_scheduler(budget=64), FakeWorker()
+    for i, name in enumerate("abcdef"):
+        sched.add_request(make_request(name, prompt(i, 8)))
+    out, _ = step(sched, worker)
+    assert out.total_num_scheduled_tokens == 48
 
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
