@@ -4,11 +4,6 @@ Algorithm. Each request knows `num_tokens` (prompt + outputs) and `num_computed_
 already in the cache). A step gives requests tokens to close that gap, spending at most
 `max_num_batched_tokens`:
 
-With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
-requests): few running rows, short steps (a wave of prompts gets its first tokens in turn, and
-the running streams their next ones sooner); many, the full budget (the rows' share of each step
-stays at most 1/16).
-
 1. Running requests first, oldest first. Each gets its whole gap (1 token when decoding) or what
    is left of the budget (a prefill chunk). When the pool has no blocks for it, the newest running
    request is preempted (blocks freed, computed count reset, back to the front of the waiting
@@ -19,6 +14,11 @@ stays at most 1/16).
    reservation (`schedule_conservativeness` > 0, engine/core/kv_reservation.py) a request also
    waits until the pool holds its expected length besides what the running ones are expected to
    still write, so that their growth does not preempt it.
+
+With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
+requests): few running rows, short steps (a wave of prompts gets its first tokens in turn, and
+the running streams their next ones sooner); many, the full budget (the rows' share of each step
+stays at most 1/16).
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
