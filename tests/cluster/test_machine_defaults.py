@@ -101,7 +101,7 @@ def test_a_cpu_replica_caps_its_batch_unless_told(engine, has_gpu, expected):
         ({}, False, SERVER_CPU_MIN_NUM_BATCHED_TOKENS),  # a CPU replica: short steps while few requests run
         ({}, True, None),  # a GPU: every step the full budget
         ({"min_num_batched_tokens": 1024}, False, 1024),  # said by the user: kept
-        ({"max_num_batched_tokens": 256}, False, 256),  # never above the budget
+        ({"max_num_batched_tokens": 64}, False, 64),  # never above the budget
         ({"enable_chunked_prefill": False}, False, None),  # a whole prompt must fit in every step
     ],
     ids=["cpu", "gpu", "user", "small-budget", "no-chunking"],

@@ -16,9 +16,10 @@ already in the cache). A step gives requests tokens to close that gap, spending 
    still write, so that their growth does not preempt it.
 
 With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
-requests): few running rows, short steps (a wave of prompts gets its first tokens in turn, and
-the running streams their next ones sooner); many, the full budget (the rows' share of each step
-stays at most 1/16).
+requests, the first waiting request's tokens): few running rows, short steps (a wave of prompts
+gets its first tokens one by one, and the running streams their next ones sooner); many, the
+full budget (the rows' share of each step stays at most 1/16); and the next prompt always fits
+whole, up to the full budget (a lone long prompt is not cut into short chunks).
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
@@ -163,10 +164,14 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def step_budget(self) -> int:
-        """The most tokens this step computes."""
+        """The most tokens this step computes (see the module doc)."""
         if self.min_num_batched_tokens is None:
             return self.max_num_batched_tokens
-        return min(self.max_num_batched_tokens, max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * len(self.running)))
+        running = len(self.running)
+        # The next prompt whole beside a token for each running request: no short chunks of a long one.
+        next_prompt = self.waiting[0].num_tokens + running if self.waiting else 0
+        least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running, next_prompt)
+        return min(self.max_num_batched_tokens, least)
 
     def schedule(self) -> SchedulerOutput:
         budget = step_budget = self.step_budget()

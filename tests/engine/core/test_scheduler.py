@@ -132,6 +132,20 @@ def test_a_least_budget_grows_with_the_running_requests():
     assert_no_leak(sched)
 
 
+def test_a_least_budget_lets_the_next_prompt_run_whole():
+    """A prompt longer than the least budget is not cut into short chunks: the step grows to hold
+    it beside a token for each running request, up to the budget."""
+    sched, worker = make_scheduler(budget=64, min_budget=16), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 8), max_tokens=4))
+    step(sched, worker)
+    sched.add_request(make_request("b", prompt(1, 40)))
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 40}
+    sched.add_request(make_request("c", prompt(2, 100)))  # longer than the budget: chunks of it
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 62}
+
+
 def test_without_a_least_budget_every_step_has_the_whole_budget():
     sched, worker = make_scheduler(budget=64), FakeWorker()
     for i, name in enumerate("abcdef"):
