@@ -54,10 +54,10 @@ class EngineConfig(BaseModel):
         None,
         ge=1,
         description="With chunked prefill, a step's budget while few requests run: each step may compute "
-        "max(this, 16 x the running requests) tokens, at most max_num_batched_tokens, so a wave of new "
-        "prompts gets its first tokens in turn rather than all at the end of one long step, and a long step comes only "
-        "when many rows share it. None: every step max_num_batched_tokens. `pagedserve serve` on the CPU defaults to "
-        "512 (cluster/server_config.py says why).",
+        "max(this, 16 x the running requests, the next waiting prompt beside a token per running request) tokens, at "
+        "most max_num_batched_tokens, so a wave of new prompts gets its first tokens in turn rather than all at the end "
+        "of one long step, and a long step comes only when many rows share it. None: every step max_num_batched_tokens. "
+        "`pagedserve serve` on the CPU defaults to 128 (cluster/server_config.py says why).",
     )
     max_num_seqs: int = Field(
         256,
