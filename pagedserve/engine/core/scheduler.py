@@ -16,10 +16,14 @@ already in the cache). A step gives requests tokens to close that gap, spending 
    still write, so that their growth does not preempt it.
 
 With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
-requests, the first waiting request's tokens): few running rows, short steps (a wave of prompts
-gets its first tokens one by one, and the running streams their next ones sooner); many, the
-full budget (the rows' share of each step stays at most 1/16); and the next prompt always fits
-whole, up to the full budget (a lone long prompt is not cut into short chunks).
+requests, the first waiting request's tokens, the queue's share): few running rows, short steps (a
+wave of prompts gets its first tokens one by one, and the running streams their next ones sooner);
+many, the full budget (the rows' share of each step stays at most 1/16); the next prompt always
+fits whole, up to the full budget (a lone long prompt is not cut into short chunks); and a deep
+queue takes sqrt(W x O) tokens a step (`queue_share`): W the waiting prompt tokens, O a step's
+overhead in prompt-token times. Each waiting prompt pays every step's overhead until its own, and
+each prompt in a step waits for the whole step: in W / b steps of b tokens the queue pays about
+W x O x W / 2b for the first and W x b / 2 for the second, least at b = sqrt(W x O).
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
@@ -38,6 +42,7 @@ waits. Neither ever fails a request.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
@@ -58,6 +63,12 @@ ADAPTER_POLL_S = 0.002
 # running rows (each about one prompt token's work, its LM head and sampling besides) take at most
 # a sixteenth of a step.
 STEP_TOKENS_PER_RUNNING = 16
+# A step's overhead in prompt-token times for the queue's share: a fixed part (the weights read
+# once a step: a one-row step costs about 11 prompt tokens' time on a 2-core Zen 4, 7.6 vs 0.7 ms)
+# and two tokens per running row (one row's compute is about a prompt token's; its streamed output
+# costs the host about as much again, and the running rows grow while a wave goes in).
+STEP_OVERHEAD_TOKENS = 16
+STEP_OVERHEAD_TOKENS_PER_RUNNING = 2
 # Finished requests whose output length tells how long replies run (an aborted one was cut short).
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -168,10 +179,24 @@ class Scheduler:
         if self.min_num_batched_tokens is None:
             return self.max_num_batched_tokens
         running = len(self.running)
+        if not self.waiting:
+            return min(self.max_num_batched_tokens, max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running))
         # The next prompt whole beside a token for each running request: no short chunks of a long one.
-        next_prompt = self.waiting[0].num_tokens + running if self.waiting else 0
-        least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running, next_prompt)
+        next_prompt = self.waiting[0].num_tokens + running
+        least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running, next_prompt, self.queue_share())
         return min(self.max_num_batched_tokens, least)
+
+    def queue_share(self) -> int:
+        """sqrt(W x O): the step size that keeps the waiting prompts' total wait least (module doc)."""
+        overhead = STEP_OVERHEAD_TOKENS + STEP_OVERHEAD_TOKENS_PER_RUNNING * len(self.running)
+        # Past this many waiting tokens the share is the whole budget: stop counting there.
+        enough = self.max_num_batched_tokens**2 // overhead + 1
+        waiting_tokens = 0
+        for request in self.waiting:
+            waiting_tokens += request.num_tokens - request.num_computed_tokens
+            if waiting_tokens >= enough:
+                break
+        return math.isqrt(waiting_tokens * overhead)
 
     def schedule(self) -> SchedulerOutput:
         budget = step_budget = self.step_budget()

@@ -5,9 +5,11 @@ fake worker checks the K/V each request attends over, so each test covers those 
 
 from __future__ import annotations
 
+import math
+
 from pagedserve.engine.engine_core_output import FinishReason
 from pagedserve.engine.core.request import RequestStatus
-from pagedserve.engine.core.scheduler import STEP_TOKENS_PER_RUNNING
+from pagedserve.engine.core.scheduler import STEP_OVERHEAD_TOKENS, STEP_OVERHEAD_TOKENS_PER_RUNNING, STEP_TOKENS_PER_RUNNING
 from tests.engine.core.scheduler_harness import (
     EOS,
     FILLER,
@@ -116,13 +118,15 @@ def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
 
 def test_a_least_budget_grows_with_the_running_requests():
     """min_num_batched_tokens: a step computes max(least, 16 x running) tokens, at most the budget,
-    so a wave of prompts starts two by two here, then in larger steps as more of them run."""
+    so prompts start two by two here, then in larger steps as more of them run."""
     assert STEP_TOKENS_PER_RUNNING == 16
     sched, worker = make_scheduler(budget=64, min_budget=16), FakeWorker()
-    for i, name in enumerate("abcdef"):
+    for i, name in enumerate("ab"):
         sched.add_request(make_request(name, prompt(i, 8), max_tokens=3))
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"a": 8, "b": 8}  # nothing runs: the least budget
+    for i, name in enumerate("cdef", start=2):  # the queue's share: sqrt(32 x (16 + 2 x 2)) = 25 < 32
+        sched.add_request(make_request(name, prompt(i, 8), max_tokens=3))
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 8, "d": 8, "e": 8, "f": 6}  # 2 running: 32
     out, _ = step(sched, worker)
@@ -144,6 +148,28 @@ def test_a_least_budget_lets_the_next_prompt_run_whole():
     sched.add_request(make_request("c", prompt(2, 100)))  # longer than the budget: chunks of it
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 62}
+
+
+def test_a_deep_queue_takes_the_square_root_of_its_tokens_times_a_steps_overhead():
+    """Many waiting prompts: a step takes sqrt(waiting tokens x overhead) tokens (the queue's least
+    total wait), the overhead 16 + 2 per running request, at most the budget."""
+    assert (STEP_OVERHEAD_TOKENS, STEP_OVERHEAD_TOKENS_PER_RUNNING) == (16, 2)
+    sched, worker = make_scheduler(budget=256, min_budget=16), FakeWorker()
+    for i in range(20):
+        sched.add_request(make_request(f"r{i}", prompt(i, 8), max_tokens=4))
+    out, _ = step(sched, worker)
+    assert out.total_num_scheduled_tokens == math.isqrt(160 * 16) == 50  # six prompts and 2 of a seventh
+    assert out.num_scheduled_tokens["r6"] == 2 and len(out.num_scheduled_tokens) == 7
+    # 7 running (r6's rest among them), 104 tokens waiting: sqrt(104 x 30) = 55 is below 16 x 7.
+    assert sched.queue_share() == math.isqrt(104 * 30) and sched.step_budget() == 112
+    for i in range(20, 80):
+        sched.add_request(make_request(f"r{i}", prompt(i, 8)))
+    assert sched.step_budget() == math.isqrt(584 * 30) == 132
+    for i in range(80, 380):
+        sched.add_request(make_request(f"r{i}", prompt(i, 8)))
+    assert sched.step_budget() == 256  # the share passes the budget: capped
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
 
 
 def test_without_a_least_budget_every_step_has_the_whole_budget():
