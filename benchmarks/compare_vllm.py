@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE))
 
 from bf16_check import closeness, load_hf_pair  # noqa: E402
 from common import machine_info, write_report  # noqa: E402
-from servers import Server, start_server  # noqa: E402
+from servers import VLLM_DEFAULTS_MAX_MODEL_LEN, Server, start_server  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,6 +99,17 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.offline_num_prompts, args.num_prompts, args.request_rates = 64, 40, "inf,4"
+    context = args.online_prefix_len + args.online_input_len + args.online_output_len
+    if args.server_defaults:
+        limit, fix = VLLM_DEFAULTS_MAX_MODEL_LEN, "vLLM's context with --server-defaults"
+    else:
+        limit, fix = args.max_model_len, "--max-model-len (raise it, and --kv-cache-gib with it)"
+    if not args.skip_online and context > limit:
+        # Each server would refuse every request (prompt and reply past its context): no figure at all.
+        parser.error(
+            f"an online request needs {context} tokens of context (--online-prefix-len + --online-input-len + "
+            f"--online-output-len), more than the {limit} of {fix}"
+        )
     return args
 
 
@@ -218,6 +229,9 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())
+    if raw.get("completed") != args.num_prompts:
+        errors = [error for error in raw.get("errors", []) if error][:3]
+        raise RuntimeError(f"{server.engine} completed {raw.get('completed')} of {args.num_prompts} requests at {point}: {errors}")
     keys = ("completed", "duration", "request_throughput", "output_throughput", "total_token_throughput")
     keys += ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
     return {key: round(raw[key], 3) if isinstance(raw.get(key), float) else raw.get(key) for key in keys}

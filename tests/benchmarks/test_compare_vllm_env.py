@@ -68,6 +68,7 @@ def test_each_load_point_gets_its_own_prompts_and_both_servers_the_same(tmp_path
         seeds = seen.setdefault(command[command.index("--base-url") + 1], [])
         seeds.append(command[command.index("--seed") + 1])
         result = {key: 1.0 for key in ("duration", "request_throughput", "output_throughput", "median_ttft_ms", "median_itl_ms")}
+        result["completed"] = int(command[command.index("--num-prompts") + 1])
         (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
         return subprocess.CompletedProcess(command, 0, "", "")
 
@@ -81,3 +82,25 @@ def test_each_load_point_gets_its_own_prompts_and_both_servers_the_same(tmp_path
                 compare_vllm.bench_serve(server, point, args, tmp_path)
         ours, theirs = seen["http://pagedserve"], seen["http://vllm"]
         assert ours == theirs and len(set(ours)) == len(ours) == len(compare_vllm.load_points(args))
+
+
+def test_an_online_workload_past_the_context_is_refused_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit):
+        parsed("--online-input-len", "1024", "--online-output-len", "128")  # the default context is 1024
+    assert "needs 1152 tokens of context" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parsed("--online-input-len", "1024", "--online-prefix-len", "1024", "--max-model-len", "4096", "--server-defaults")
+    assert "more than the 2048 of vLLM's context" in capsys.readouterr().err
+    assert parsed("--online-input-len", "1024", "--online-output-len", "128", "--max-model-len", "2048").max_model_len == 2048
+    assert parsed("--online-input-len", "1024", "--online-output-len", "128", "--skip-online").skip_online
+
+
+def test_a_load_point_with_failed_requests_reports_no_figure(tmp_path, monkeypatch):
+    def fake_run(command, **_):
+        result = {"completed": 0, "output_throughput": 0.0, "errors": ["", "HTTP 400: prompt too long"]}
+        (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(compare_vllm.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match=r"vllm completed 0 of 200 requests at inf: \['HTTP 400: prompt too long'\]"):
+        compare_vllm.bench_serve(compare_vllm.Server("vllm", "http://vllm", "m"), "inf", parsed(), tmp_path)
