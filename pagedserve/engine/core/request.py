@@ -84,6 +84,9 @@ class Request:
         # resumed after preemption keeps its first count).
         self.num_cached_tokens: int | None = None
         self.first_scheduled_time: float | None = None  # for the queue-time metric
+        # Prefix-cache hits the scheduler last found while it waited: the step budget's estimate of
+        # the prompt tokens it will not compute (the scheduler refreshes the next one's every step).
+        self.expected_hit_tokens = 0
         self.num_preemptions = 0
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].
         self.num_tokens_on_workers = 0

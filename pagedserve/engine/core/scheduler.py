@@ -16,14 +16,15 @@ already in the cache). A step gives requests tokens to close that gap, spending 
    still write, so that their growth does not preempt it.
 
 With a least budget (`min_num_batched_tokens`) a step spends at most max(that, 16 x the running
-requests, the first waiting request's tokens, the queue's share): few running rows, short steps (a
-wave of prompts gets its first tokens one by one, and the running streams their next ones sooner);
-many, the full budget (the rows' share of each step stays at most 1/16); the next prompt always
-fits whole, up to the full budget (a lone long prompt is not cut into short chunks); and a deep
-queue takes sqrt(W x O) tokens a step (`queue_share`): W the waiting prompt tokens, O a step's
-overhead in prompt-token times. Each waiting prompt pays every step's overhead until its own, and
-each prompt in a step waits for the whole step: in W / b steps of b tokens the queue pays about
-W x O x W / 2b for the first and W x b / 2 for the second, least at b = sqrt(W x O).
+requests, the first waiting request's uncached tokens, the queue's share): few running rows, short
+steps (a wave of prompts gets its first tokens one by one, and the running streams their next ones
+sooner); many, the full budget (the rows' share of each step stays at most 1/16); the next prompt
+always fits whole, up to the full budget (a lone long prompt is not cut into short chunks); and a
+deep queue takes sqrt(W x O) tokens a step (`queue_share`): W the waiting prompt tokens (less the
+prefix-cache hits found when each came, or this step for the next one), O a step's overhead in
+prompt-token times. Each waiting prompt pays every step's overhead until its own, and each prompt
+in a step waits for the whole step: in W / b steps of b tokens the queue pays about W x O x W / 2b
+for the first and W x b / 2 for the second, least at b = sqrt(W x O).
 
 `update_from_output` then advances the computed counts, appends sampled tokens, checks the
 token-level stop conditions, and frees the blocks of finished requests.
@@ -123,6 +124,8 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         if request.sampling_params.structured_outputs is not None:
             self._start_grammar(request)
+        if self.min_num_batched_tokens is not None:  # the step budget counts what is left to compute
+            request.expected_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)[1]
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -181,8 +184,12 @@ class Scheduler:
         running = len(self.running)
         if not self.waiting:
             return min(self.max_num_batched_tokens, max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running))
-        # The next prompt whole beside a token for each running request: no short chunks of a long one.
-        next_prompt = self.waiting[0].num_tokens + running
+        # The next prompt whole beside a token for each running request: no short chunks of a long
+        # one. Whole means its tokens past its prefix-cache hits: counting the hits would make room
+        # for the prompts behind it too, and prompts that share a prefix would start in lockstep.
+        head = self.waiting[0]
+        head.expected_hit_tokens = self.kv_cache_manager.get_computed_blocks(head)[1]
+        next_prompt = head.num_tokens - head.expected_hit_tokens + running
         least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running, next_prompt, self.queue_share())
         return min(self.max_num_batched_tokens, least)
 
@@ -192,8 +199,8 @@ class Scheduler:
         # Past this many waiting tokens the share is the whole budget: stop counting there.
         enough = self.max_num_batched_tokens**2 // overhead + 1
         waiting_tokens = 0
-        for request in self.waiting:
-            waiting_tokens += request.num_tokens - request.num_computed_tokens
+        for request in self.waiting:  # a waiting request has computed nothing (preemption resets it)
+            waiting_tokens += request.num_tokens - request.expected_hit_tokens
             if waiting_tokens >= enough:
                 break
         return math.isqrt(waiting_tokens * overhead)

@@ -172,6 +172,26 @@ def test_a_deep_queue_takes_the_square_root_of_its_tokens_times_a_steps_overhead
     assert_no_leak(sched)
 
 
+def test_a_least_budget_counts_the_prompts_past_their_prefix_cache_hits():
+    """Prompts that share a cached prefix: the next prompt's room and the queue's tokens leave the
+    hits out. Counting them (56 tokens each) would make room for all three at once, and they
+    would then start, and finish, in lockstep."""
+    sched, worker = make_scheduler(budget=128, min_budget=8), FakeWorker()
+    shared = prompt(0, 48)
+    sched.add_request(make_request("first", shared + prompt(1, 8), max_tokens=8))
+    step(sched, worker)  # its 14 full blocks join the prefix cache (the last token stays to compute)
+    for i, name in enumerate("abc", start=2):
+        sched.add_request(make_request(name, shared + prompt(i, 8)))
+    assert [sched.requests[name].expected_hit_tokens for name in "abc"] == [48, 48, 48]
+    # 1 running: max(8, 16, 8 + 1, sqrt(3 x 8 x (16 + 2))) = 20, not 56 + 1.
+    assert sched.queue_share() == math.isqrt(24 * 18) and sched.step_budget() == 20
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"first": 1, "a": 8, "b": 8, "c": 3}
+    assert sched.requests["a"].num_computed_tokens == 56  # the 48 hits and its own 8
+    run_to_completion(sched, worker)
+    assert_no_leak(sched)
+
+
 def test_without_a_least_budget_every_step_has_the_whole_budget():
     sched, worker = make_scheduler(budget=64), FakeWorker()
     for i, name in enumerate("abcdef"):
