@@ -54,9 +54,11 @@ class EngineConfig(BaseModel):
         None,
         ge=1,
         description="With chunked prefill, a step's budget while few requests run: each step may compute "
-        "max(this, 16 x the running requests, the next waiting prompt beside a token per running request) tokens, at "
-        "most max_num_batched_tokens, so a wave of new prompts gets its first tokens in turn rather than all at the end "
-        "of one long step, and a long step comes only when many rows share it. None: every step max_num_batched_tokens. "
+        "max(this, 16 x the running requests, the next waiting prompt beside a token per running request, "
+        "sqrt(waiting prompt tokens x (16 + 2 x the running requests))) tokens, at most max_num_batched_tokens, so a "
+        "few new prompts get their first tokens in turn rather than all at the end of one long step, a deep queue goes "
+        "in a few prompts a step, and a long step comes only when many rows share it. None: every step "
+        "max_num_batched_tokens. "
         "`pagedserve serve` on the CPU defaults to 128 (cluster/server_config.py says why).",
     )
     max_num_seqs: int = Field(

@@ -24,16 +24,19 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024**2
 # 570-614 ms, 222-230 against 219-231 output tok/s, TTFT p50 12.4-12.9 against 12.0 s (two runs
 # each; docs/benchmarks.md).
 SERVER_CPU_MAX_NUM_SEQS = 128
-# And its steps compute at least this many tokens, more as more requests run or to hold the next
-# prompt whole (EngineConfig's min_num_batched_tokens; offline engines keep every step at
-# max_num_batched_tokens). 16 prompts of 128 tokens at once in one 2048-token step all wait for its
-# end; in short steps they get their first tokens in turn. pagedserve alone, SmolLM2 bf16 on 2
-# Zen 4 cores, 64 prompts at 16 in flight (two runs each, a fixed 512 against 2048): TTFT p50
-# 609 / 641 against 1284 / 1264 ms, 289 / 293 against 302 / 310 tok/s; at 64 in flight 3081 /
-# 3014 against 3450 / 3380 ms; a 200-prompt burst was either side of 2048 (TTFT p50 10.3 / 11.0
-# against 10.5 / 9.6 s), which the growth with the running requests is for. A least of 512 still
-# ran four prompts that arrive together in one step (TTFT p50 at 4 in flight 361 ms against
-# vLLM's 355); 128 gives them out one by one (docs/benchmarks.md).
+# And its steps compute at least this many tokens, more as more requests run, to hold the next
+# prompt whole or as the queue deepens (EngineConfig's min_num_batched_tokens; offline engines
+# keep every step at max_num_batched_tokens). 16 prompts of 128 tokens at once in one 2048-token
+# step all wait for its end; in short steps they get their first tokens in turn. pagedserve alone,
+# SmolLM2 bf16 on 2 Zen 4 cores, 64 prompts at 16 in flight (two runs each, a fixed 512 against
+# 2048): TTFT p50 609 / 641 against 1284 / 1264 ms, 289 / 293 against 302 / 310 tok/s; at 64 in
+# flight 3081 / 3014 against 3450 / 3380 ms; a 200-prompt burst was either side of 2048 (TTFT p50
+# 10.3 / 11.0 against 10.5 / 9.6 s), which the growth with the running requests is for. A least of
+# 512 still ran four prompts that arrive together in one step (TTFT p50 at 4 in flight 361 ms
+# against vLLM's 355); 128 gives them out one by one. The queue's share (ab03b26) against none, two
+# rounds in turns: TTFT p50 at 64 in flight 3164 / 3387 against 3409 / 3765 ms, the 200-prompt
+# burst 9.47 / 9.90 against 10.51 / 10.47 s (388 / 392 against 378 / 375 tok/s), at 16 in flight
+# 300 / 310 against 235 / 283 ms (docs/benchmarks.md).
 SERVER_CPU_MIN_NUM_BATCHED_TOKENS = 128
 
 
