@@ -182,15 +182,16 @@ class Scheduler:
         if self.min_num_batched_tokens is None:
             return self.max_num_batched_tokens
         running = len(self.running)
-        if not self.waiting:
-            return min(self.max_num_batched_tokens, max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running))
+        least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running)
+        if not self.waiting or least >= self.max_num_batched_tokens:  # at saturation: no walk of the queue
+            return min(self.max_num_batched_tokens, least)
         # The next prompt whole beside a token for each running request: no short chunks of a long
         # one. Whole means its tokens past its prefix-cache hits: counting the hits would make room
         # for the prompts behind it too, and prompts that share a prefix would start in lockstep.
         head = self.waiting[0]
         head.expected_hit_tokens = self.kv_cache_manager.get_computed_blocks(head)[1]
         next_prompt = head.num_tokens - head.expected_hit_tokens + running
-        least = max(self.min_num_batched_tokens, STEP_TOKENS_PER_RUNNING * running, next_prompt, self.queue_share())
+        least = max(least, next_prompt, self.queue_share())
         return min(self.max_num_batched_tokens, least)
 
     def queue_share(self) -> int:
