@@ -4,7 +4,7 @@ layer's cache bound to one random paged cache (the cost is the same as separate 
 
 Run as a script: this tree against a baseline commit, at 1 and 2 torch threads: a decode step of
 8, 64, 128 and 256 rows (contexts 128-192; `--decode-rows 1,2` for one or two requests in flight)
-and a prefill chunk of 512 tokens, in half precision.
+and a prefill chunk of 512 tokens (`--prefill-tokens 128,1024` for others), in half precision.
 What the native attention kernel, the packed linear layers and the fused layers buy, one step at
 a time. `--background-load 0.1` has another process take a tenth of a core meanwhile, as a
 server's other processes do on a small machine. Each tree runs in its own process (the baseline
@@ -132,6 +132,10 @@ def parse_args() -> argparse.Namespace:
         "--decode-rows", type=common.positive_ints, default=DECODE_ROWS, metavar="N,N,...",
         help="the decode steps' rows (requests in flight), comma-separated; the prefill chunk runs after the last",
     )
+    parser.add_argument(
+        "--prefill-tokens", type=common.positive_ints, default=[512], metavar="N,N,...",
+        help="the prefill chunks' tokens (one prompt from the start), comma-separated",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -154,17 +158,15 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     result = {}
     with torch.inference_mode():
         model = build(Path(args.model), dtype, 4096)
-        for index, rows in enumerate(args.decode_rows):
-            shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=512)
-            batches = steps(model, shape, dtype)
-            last = index == len(args.decode_rows) - 1
-            names = [("decode", f"decode_{rows}")] + ([("prefill", "prefill_512")] if last else [])
-            for kind, name in names:
-                input_ids, positions, meta, kv_cache = batches[kind]
-                for attn in model.attention_layers():
-                    attn.kv_cache = kv_cache
-                forward = lambda: model(input_ids, positions, meta)  # noqa: E731
-                result[name] = common.least_ms(forward, args.repeats, clock=time.perf_counter)
+        runs = [("decode", rows, f"decode_{rows}", 16) for rows in args.decode_rows]
+        runs += [("prefill", 1, f"prefill_{tokens}", tokens) for tokens in args.prefill_tokens]
+        for kind, rows, name, prefill_tokens in runs:
+            shape = argparse.Namespace(num_seqs=rows, min_context=128, max_context=192, prefill_tokens=prefill_tokens)
+            input_ids, positions, meta, kv_cache = steps(model, shape, dtype)[kind]
+            for attn in model.attention_layers():
+                attn.kv_cache = kv_cache
+            forward = lambda: model(input_ids, positions, meta)  # noqa: E731
+            result[name] = common.least_ms(forward, args.repeats, clock=time.perf_counter)
     return result
 
 
@@ -182,6 +184,7 @@ def main() -> None:
                     print(f"[forward] {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
                     argv = ["--worker", "--model", args.model, "--dtype", args.dtype, "--threads", str(threads), "--repeats", str(args.repeats)]
                     argv += ["--decode-rows", ",".join(map(str, args.decode_rows))]
+                    argv += ["--prefill-tokens", ",".join(map(str, args.prefill_tokens))]
                     with common.background_load(args.background_load):
                         result = common.run_in_tree(tree, __file__, argv, env={"OMP_NUM_THREADS": str(threads)})
                     runs.setdefault(f"{threads}_threads", {}).setdefault(name, []).append(result)

@@ -34,11 +34,12 @@ def is_available() -> bool:
 def attention_path_counts() -> dict[str, int]:
     """(query token, KV head) tasks run on each attention path in this process so far: "vector"
     (the served shapes, on the AVX-512 or AVX2 path the build compiled: `compiled_paths`) and
-    "portable" (any other head_dim or group, or a CPU with neither)."""
+    "portable" (any other head_dim or group, or a CPU with neither). "prefill_blocks" counts
+    those of "vector" computed in blocks of query rows (bf16 prefill chunks, with AVX-512 BF16)."""
     if not native_build.load():
-        return {"vector": 0, "portable": 0}
-    fast, portable = torch.ops.pagedserve_cpu.attention_path_counts()
-    return {"vector": fast, "portable": portable}
+        return {"vector": 0, "portable": 0, "prefill_blocks": 0}
+    fast, portable, blocks = torch.ops.pagedserve_cpu.attention_path_counts()
+    return {"vector": fast, "portable": portable, "prefill_blocks": blocks}
 
 
 def write_kv_cache(

@@ -6,6 +6,7 @@ torch.compile); building it is part of what is tested."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -21,6 +22,45 @@ CASES = {
     "chunked_prefill": ([16, 9], [48, 5]),
     "mixed": ([1, 1, 1, 12, 30, 3], [50, 17, 8, 0, 21, 64]),
 }
+BLOCK_ROWS = {group: 24 // group for group in range(1, 9)}  # cpu_prefill_attention.h: 24 query heads a block
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_blocks_against_reference(group, head_dim):
+    """bf16 prefill chunks of at least a block's rows go in blocks of rows (with AVX-512 BF16):
+    chunks over many key tiles, with and without cached context, a last block padded, beside
+    decodes and a chunk too short for a block; each value the float32 attention rounded once."""
+    rows = BLOCK_ROWS[group]
+    query_lens = [1, 1, 5 * rows + 3, rows, rows - 1 if rows > 1 else 2, 200]
+    context_lens = [300, 7, 0, 45, 3, 333]
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=group)
+    before = cpu_native.attention_path_counts()
+    check_against_reference(batch)
+    after = cpu_native.attention_path_counts()
+    blocked = sum(q for q in query_lens if q >= rows and q > 1) * 2
+    expected = blocked if "avx512_bf16" in cpu_native.compiled_paths() else 0
+    assert after["prefill_blocks"] - before["prefill_blocks"] == expected
+
+
+def test_a_prefill_rows_answer_does_not_depend_on_the_chunk_around_it():
+    """A row computed in a block (padded or not, first or last in it) gives the bits it gives in
+    any other chunk of the same prompt: the blocks keep each query head's arithmetic its own."""
+    prompt = 100
+    whole = make_batch([prompt], [0], 9, 3, head_dim=64, dtype=torch.bfloat16, seed=7)
+    cache = whole.kv_cache.clone()
+    reference.write_kv_cache(whole.key, whole.value, cache, whole.meta.slot_mapping)
+    full = cpu_native.paged_attention(whole.query, whole.key, whole.value, cache, whole.meta, whole.scale)
+    for start, end in ((37, 100), (40, 61), (91, 100)):  # later chunks, their earlier tokens cached
+        meta = dataclasses.replace(
+            whole.meta, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32), max_query_len=end - start, max_seq_len=end,
+            query_start_loc_host=[0, end - start], seq_lens_host=[end],
+        )  # fmt: skip
+        part = cpu_native.paged_attention(whole.query[start:end], whole.key[start:end], whole.value[start:end], cache, meta, whole.scale)
+        assert torch.equal(part, full[start:end]), (start, end)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert cpu_native.is_available(), "the native CPU kernel did not build (g++ and torch's headers are needed)"

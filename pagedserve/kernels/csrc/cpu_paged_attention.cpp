@@ -9,6 +9,9 @@
 // softmax-weighted sum of values (attend_per_key). Threads split the tasks by keys to read. On a
 // CPU without AVX-512 (Zen 3) every dtype takes the two passes, eight lanes wide (AVX2); a CPU
 // with neither, and shapes the paths are not built for, take the portable loop (attend_one).
+// bf16 prefill chunks of at least a block's rows, on a CPU with AVX-512 BF16, go in blocks of
+// rows against packed tiles of keys instead (cpu_prefill_attention.h): a 1024-token prompt's
+// attention 2.1x faster on a Zen 4.
 //
 // Measured on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64) on one thread of a Zen 5, the
 // least of 60 calls, against the two-pass kernel that came before for every dtype: 128 bf16
@@ -23,6 +26,7 @@
 #include <torch/library.h>
 
 #include "vec_math.h"
+#include "cpu_prefill_attention.h"
 
 #include <algorithm>
 #include <atomic>
@@ -31,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -53,6 +58,7 @@ using pagedserve::to_float;
 // CPU has no AVX-512), which no output can show.
 std::atomic<int64_t> tasks_on_vector_path{0};
 std::atomic<int64_t> tasks_on_portable_loop{0};
+std::atomic<int64_t> tasks_in_prefill_blocks{0};  // of the vector path's: those computed in blocks of rows
 
 // The instruction sets this build compiled paths for (-march=native decides): 1 the AVX-512
 // attention, 2 its AVX-512 BF16 dot products, 4 the AVX2 attention (built only without AVX-512).
@@ -70,7 +76,9 @@ int64_t attention_isa() {
   return isa;
 }
 
-std::vector<int64_t> attention_path_counts() { return {tasks_on_vector_path.load(), tasks_on_portable_loop.load()}; }
+std::vector<int64_t> attention_path_counts() {
+  return {tasks_on_vector_path.load(), tasks_on_portable_loop.load(), tasks_in_prefill_blocks.load()};
+}
 
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
@@ -448,10 +456,16 @@ std::vector<int64_t> split_by_work(const std::vector<int64_t>& context_of_token,
   return bounds;
 }
 
+// The query rows one task each per KV head takes: each row's token, sequence and context.
+struct Rows {
+  std::vector<int64_t> token, seq, context;
+};
+
 template <typename T>
-void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Tensor& kv_cache,
-                          const std::vector<int64_t>& seq_of_token, const std::vector<int64_t>& context_of_token,
-                          const at::Tensor& block_tables, int64_t first_token, const Shape& s, float scale) {
+void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Tensor& kv_cache, const Rows& rows,
+                          const at::Tensor& block_tables, const Shape& s, float scale) {
+  const std::vector<int64_t>& seq_of_token = rows.seq;
+  const std::vector<int64_t>& context_of_token = rows.context;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
   const T* q_base = query.data_ptr<T>();
@@ -475,7 +489,7 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
                          context_of_token[r1], s);
       }
       const int64_t r = task / s.num_kv_heads, h = task % s.num_kv_heads;
-      const int64_t offset = ((first_token + r) * s.num_heads + h * group) * s.head_dim;
+      const int64_t offset = (rows.token[r] * s.num_heads + h * group) * s.head_dim;
       const T* key_head = keys + h * head_stride;
       const T* value_head = values + h * head_stride;
       const int32_t* table = tables + seq_of_token[r] * s.max_blocks;
@@ -492,6 +506,76 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
   });
 }
 
+#if defined(PAGEDSERVE_PREFILL_BLOCKS)
+// A prefill chunk taken in blocks of rows (cpu_prefill_attention.h).
+struct BlockSeq {
+  int64_t seq, first_token, query_len, seq_len;
+};
+
+// Boundaries of `parts` runs of consecutive tasks of about equal total cost.
+std::vector<int64_t> split_costs(const std::vector<int64_t>& cost, int64_t parts) {
+  int64_t total = 0, done = 0;
+  for (int64_t c : cost) total += c;
+  std::vector<int64_t> bounds{0};
+  for (int64_t i = 0; i < static_cast<int64_t>(cost.size()) && static_cast<int64_t>(bounds.size()) < parts; ++i) {
+    done += cost[i];
+    if (done * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+  }
+  bounds.push_back(static_cast<int64_t>(cost.size()));
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  return bounds;
+}
+
+// Packs each sequence's keys and values per KV head, then runs its blocks of rows, the threads
+// splitting the blocks by keys to read.
+void prefill_blocks(const at::Tensor& query, at::Tensor& out, const at::Tensor& kv_cache, const std::vector<BlockSeq>& seqs,
+                    const at::Tensor& block_tables, const Shape& s, float scale, pagedserve::BlockKernel kernel) {
+  using BF = c10::BFloat16;
+  const int64_t group = s.num_heads / s.num_kv_heads, R = pagedserve::block_rows(group), H = s.num_kv_heads;
+  const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, row_stride = s.num_heads * s.head_dim;
+  const BF* keys = kv_cache.data_ptr<BF>();
+  const BF* values = keys + H * head_stride;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<int64_t> packed_at{0};  // per (sequence, KV head)
+  for (const BlockSeq& q : seqs)
+    for (int64_t h = 0; h < H; ++h) packed_at.push_back(packed_at.back() + pagedserve::packed_floats(q.seq_len, s.head_dim));
+  const std::unique_ptr<float[]> packed(new float[packed_at.back()]);  // every float is written: no zeroing
+  at::parallel_for(0, static_cast<int64_t>(seqs.size()) * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const BlockSeq& q = seqs[i / H];
+      const int64_t h = i % H;
+      pagedserve::pack_head(keys + h * head_stride, values + h * head_stride, tables + q.seq * s.max_blocks, q.seq_len,
+                            s.block_size, s.head_dim, packed.get() + packed_at[i]);
+    }
+  });
+  struct Task {
+    int64_t packed, first_row, rows, first_context;  // packed: the (sequence, KV head) index
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < seqs[i].query_len; r += R) {
+        const int64_t rows = std::min(R, seqs[i].query_len - r), first_context = seqs[i].seq_len - seqs[i].query_len + r + 1;
+        tasks.push_back({i * H + h, seqs[i].first_token + r, rows, first_context});
+        cost.push_back(R * (first_context + rows + kTaskCost));  // a block's cost is all of its R rows
+      }
+  const std::vector<int64_t> bounds = split_costs(cost, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first_part, int64_t end_part) {
+    for (int64_t t = bounds[first_part]; t < bounds[end_part]; ++t) {
+      const Task& task = tasks[t];
+      const int64_t offset = task.first_row * row_stride + (task.packed % H) * group * s.head_dim;
+      kernel(query.data_ptr<BF>() + offset, out.data_ptr<BF>() + offset, row_stride, task.rows, task.first_context,
+             packed.get() + packed_at[task.packed], seqs[task.packed / H].seq_len, scale);
+    }
+  });
+  int64_t computed = 0;
+  for (const BlockSeq& q : seqs) computed += q.query_len * H;
+  tasks_on_vector_path += computed;
+  tasks_in_prefill_blocks += computed;
+}
+#endif
+
 // Writes the rows of sequences [first_seq, end_seq) of `out` ([num_tokens, num_heads, head_dim]).
 void paged_attention(const at::Tensor& query, at::Tensor out, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -503,30 +587,48 @@ void paged_attention(const at::Tensor& query, at::Tensor out, const at::Tensor& 
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache: [2, kv_heads, blocks, block_size, head_dim]");
   const Shape s{query.size(1), kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), kv_cache.size(4), block_tables.size(1)};
   TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0, "query heads do not fit the cache");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kHalf || query.scalar_type() == at::kFloat,
+              "paged_attention: dtype must be bfloat16, float16 or float32");
   auto qsl = query_start_loc.to(at::kLong);
   auto lens = seq_lens.to(at::kLong);
   const int64_t* qsl_p = qsl.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
-  std::vector<int64_t> seq_of_token, context_of_token;
+  const float fscale = static_cast<float>(scale);
+#if defined(PAGEDSERVE_PREFILL_BLOCKS)
+  // bf16 prefill chunks of at least a block's rows go in blocks; decodes and short chunks by row.
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const pagedserve::BlockKernel kernel = query.scalar_type() == at::kBFloat16 ? pagedserve::block_kernel(group, s.head_dim) : nullptr;
+  std::vector<BlockSeq> block_seqs;
+#endif
+  Rows rows;
   for (int64_t i = first_seq; i < end_seq; ++i) {
     const int64_t query_len = qsl_p[i + 1] - qsl_p[i];
     TORCH_CHECK(lens_p[i] <= s.max_blocks * s.block_size, "a sequence is longer than its block table");
+#if defined(PAGEDSERVE_PREFILL_BLOCKS)
+    if (kernel != nullptr && query_len >= pagedserve::block_rows(group)) {
+      block_seqs.push_back({i, qsl_p[i], query_len, lens_p[i]});
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < query_len; ++j) {
-      seq_of_token.push_back(i);
-      context_of_token.push_back(lens_p[i] - query_len + j + 1);
+      rows.token.push_back(qsl_p[i] + j);
+      rows.seq.push_back(i);
+      rows.context.push_back(lens_p[i] - query_len + j + 1);
     }
   }
-  const int64_t first_token = qsl_p[first_seq];
-  const float fscale = static_cast<float>(scale);
+#if defined(PAGEDSERVE_PREFILL_BLOCKS)
+  if (!block_seqs.empty()) prefill_blocks(query, out, kv_cache, block_seqs, block_tables, s, fscale, kernel);
+#endif
+  if (rows.token.empty()) return;
   switch (query.scalar_type()) {
     case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(query, out, kv_cache, seq_of_token, context_of_token, block_tables, first_token, s, fscale);
+      paged_attention_impl<c10::BFloat16>(query, out, kv_cache, rows, block_tables, s, fscale);
       break;
     case at::kHalf:
-      paged_attention_impl<c10::Half>(query, out, kv_cache, seq_of_token, context_of_token, block_tables, first_token, s, fscale);
+      paged_attention_impl<c10::Half>(query, out, kv_cache, rows, block_tables, s, fscale);
       break;
     case at::kFloat:
-      paged_attention_impl<float>(query, out, kv_cache, seq_of_token, context_of_token, block_tables, first_token, s, fscale);
+      paged_attention_impl<float>(query, out, kv_cache, rows, block_tables, s, fscale);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: dtype must be bfloat16, float16 or float32");
