@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """The native CPU attention kernel is built (once per machine, ~30 s) before any test starts
+    """The native CPU attention kernel is built (once per machine, about a minute on two cores) before any test starts
     an engine, so no replica or server started under a test's timeout pays for the build."""
     from pagedserve.kernels import native_build
 

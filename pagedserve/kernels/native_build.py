@@ -133,7 +133,7 @@ def _build(compiler: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
         if library.exists():
             return library
-        logger.warning("building pagedserve's native CPU kernels into %s (once per machine, ~30 s)", cache)
+        logger.warning("building pagedserve's native CPU kernels into %s (once per machine, about a minute on two cores)", cache)
         partial = library.with_suffix(f".{os.getpid()}.tmp")
         command = [compiler, *(str(CSRC / name) for name in SOURCES), "-o", str(partial), *flags]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)

@@ -45,7 +45,8 @@ def test_prefill_blocks_against_reference(group, head_dim):
 
 def test_a_prefill_rows_answer_does_not_depend_on_the_chunk_around_it():
     """A row computed in a block (padded or not, first or last in it) gives the bits it gives in
-    any other chunk of the same prompt: the blocks keep each query head's arithmetic its own."""
+    any other chunk of the same prompt that also takes blocks (a block's rows or more): the blocks
+    keep each query head's arithmetic its own."""
     prompt = 100
     whole = make_batch([prompt], [0], 9, 3, head_dim=64, dtype=torch.bfloat16, seed=7)
     cache = whole.kv_cache.clone()

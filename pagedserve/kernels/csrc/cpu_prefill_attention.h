@@ -60,7 +60,7 @@ inline void pack_head(const c10::BFloat16* key_head, const c10::BFloat16* value_
       continue;
     }
     const int64_t row = static_cast<int64_t>(block_table[t / block_size]) * block_size * head_dim + (t % block_size) * head_dim;
-    uint32_t k32[128 / 2 * 2];  // head_dim <= 128 on this path, as bf16 pairs; memcpy: no aliasing
+    uint32_t k32[64];  // head_dim <= 128 on this path: at most 64 bf16 pairs (memcpy: no aliasing)
     std::memcpy(k32, key_head + row, head_dim * sizeof(c10::BFloat16));
     for (int64_t p = 0; p < pairs; ++p) kt[p * kKeyTile] = k32[p];
     for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(v + d, load16(value_head + row + d));
