@@ -132,7 +132,7 @@ struct Scratch {  // one per thread and call, reused by its tasks
 };
 
 constexpr int64_t kPrefetchBytes = 64 * 1024;  // at most this much of the next task's K and V
-constexpr int64_t kTaskCost = 16;              // a task's fixed cost, in keys, for split_by_work
+constexpr int64_t kTaskCost = 16;              // a task's fixed cost, in keys, for the split among threads
 
 template <typename T>
 void prefetch_context(const T* key_head, const T* value_head, const int32_t* block_table, int64_t context, const Shape& s) {
@@ -436,23 +436,31 @@ bool attend_one_vectorized(const T* query, T* out, const T* key_head, const T* v
 }
 #endif  // PAGEDSERVE_VECTOR_ATTENTION
 
+// Boundaries of `parts` runs of consecutive tasks of about equal total cost.
+std::vector<int64_t> split_costs(const std::vector<int64_t>& cost, int64_t parts) {
+  int64_t total = 0, done = 0;
+  for (int64_t c : cost) total += c;
+  std::vector<int64_t> bounds{0};
+  for (int64_t i = 0; i < static_cast<int64_t>(cost.size()) && static_cast<int64_t>(bounds.size()) < parts; ++i) {
+    done += cost[i];
+    if (done * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+  }
+  bounds.push_back(static_cast<int64_t>(cost.size()));
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  return bounds;
+}
+
 // Task boundaries that give each of `parts` threads about the same number of keys to read. An even
 // split of the tasks would not: decode rows come longest first, so the first thread got the
-// longest contexts. Each task also counts a tile's worth of fixed cost.
+// longest contexts. Each task also counts a tile's worth of fixed cost. Whole rows (all heads of
+// a token) per part: the next task's prefetch stays in its part.
 std::vector<int64_t> split_by_work(const std::vector<int64_t>& context_of_token, int64_t num_kv_heads, int64_t parts) {
   const int64_t num_rows = static_cast<int64_t>(context_of_token.size());
-  int64_t total = 0;
-  for (int64_t r = 0; r < num_rows; ++r) total += context_of_token[r] + kTaskCost;
-  parts = std::max<int64_t>(1, std::min(parts, num_rows * num_kv_heads));
-  std::vector<int64_t> bounds{0};
-  int64_t done = 0;
-  for (int64_t r = 0; r < num_rows && static_cast<int64_t>(bounds.size()) < parts; ++r) {
-    done += context_of_token[r] + kTaskCost;
-    // Whole rows (all heads of a token) per part: the next task's prefetch stays in its part.
-    if (done * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back((r + 1) * num_kv_heads);
-  }
-  bounds.push_back(num_rows * num_kv_heads);
-  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  std::vector<int64_t> cost;
+  cost.reserve(num_rows);
+  for (int64_t context : context_of_token) cost.push_back(context + kTaskCost);
+  std::vector<int64_t> bounds = split_costs(cost, std::max<int64_t>(1, std::min(parts, num_rows * num_kv_heads)));
+  for (int64_t& bound : bounds) bound *= num_kv_heads;  // rows to tasks
   return bounds;
 }
 
@@ -511,20 +519,6 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
 struct BlockSeq {
   int64_t seq, first_token, query_len, seq_len;
 };
-
-// Boundaries of `parts` runs of consecutive tasks of about equal total cost.
-std::vector<int64_t> split_costs(const std::vector<int64_t>& cost, int64_t parts) {
-  int64_t total = 0, done = 0;
-  for (int64_t c : cost) total += c;
-  std::vector<int64_t> bounds{0};
-  for (int64_t i = 0; i < static_cast<int64_t>(cost.size()) && static_cast<int64_t>(bounds.size()) < parts; ++i) {
-    done += cost[i];
-    if (done * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
-  }
-  bounds.push_back(static_cast<int64_t>(cost.size()));
-  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
-  return bounds;
-}
 
 // Packs each sequence's keys and values per KV head, then runs its blocks of rows, the threads
 // splitting the blocks by keys to read.
