@@ -5,6 +5,9 @@ layer's cache bound to one random paged cache (the cost is the same as separate 
 Run as a script: this tree against a baseline commit, at 1 and 2 torch threads: a decode step of
 8, 64, 128 and 256 rows (contexts 128-192; `--decode-rows 1,2` for one or two requests in flight)
 and a prefill chunk of 512 tokens (`--prefill-tokens 128,1024` for others), in half precision.
+A decode step is the forward alone; a prefill chunk is the forward and the logits of its last row,
+as the model runner runs a prompt's last chunk (where a tree's model takes `sampled_rows`, its
+last layer runs past the attention for that row alone, as the runner has it do).
 What the native attention kernel, the packed linear layers and the fused layers buy, one step at
 a time. `--background-load 0.1` has another process take a tenth of a core meanwhile, as a
 server's other processes do on a small machine. Each tree runs in its own process (the baseline
@@ -21,6 +24,7 @@ build their CPU model with `build`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import sys
@@ -111,6 +115,16 @@ def decode_forward(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> Ca
     return lambda: model.compute_logits(model(input_ids, positions, meta))
 
 
+def prefill_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> Callable[[], torch.Tensor]:
+    """A prompt's last chunk as the model runner runs it: the forward, then the logits of the row
+    that samples. A tree whose model takes no `sampled_rows` (before the last layer kept the
+    sampled rows alone) selects the row after the forward, as its runner did."""
+    last = torch.tensor([input_ids.shape[0] - 1])
+    if "sampled_rows" in inspect.signature(model.forward).parameters:
+        return lambda: model.compute_logits(model(input_ids, positions, meta, None, last))
+    return lambda: model.compute_logits(model(input_ids, positions, meta).index_select(0, last))
+
+
 def layer_bench_args(description: str, rows: str, repeats: int) -> argparse.Namespace:
     """The flags of the per-layer benchmarks (cpu_small_linear.py, cpu_fp32_linear.py)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,7 +179,7 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
             input_ids, positions, meta, kv_cache = steps(model, shape, dtype)[kind]
             for attn in model.attention_layers():
                 attn.kv_cache = kv_cache
-            forward = lambda: model(input_ids, positions, meta)  # noqa: E731
+            forward = prefill_forward(model, input_ids, positions, meta) if kind == "prefill" else lambda: model(input_ids, positions, meta)
             result[name] = common.least_ms(forward, args.repeats, clock=time.perf_counter)
     return result
 

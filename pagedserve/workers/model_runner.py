@@ -113,15 +113,17 @@ class ModelRunner:
         if self.step_threads is not None:
             self.step_threads.set_for(inputs.num_tokens, len(scheduler_output.num_scheduled_tokens))
         if self.cuda_graphs is not None and inputs.lora_groups is None and self.cuda_graphs.can_run(inputs.meta):
-            hidden = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden, pruned = self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta), False
         else:
+            pruned = _prunes_last_layer(inputs)
             with lora_context(inputs.lora_groups):
-                hidden = self._forward(inputs.input_ids, inputs.positions, inputs)
+                hidden = self._forward(inputs.input_ids, inputs.positions, inputs, inputs.logits_indices if pruned else None)
         if hidden is None or not inputs.sampled_states:
             return ModelRunnerOutput.empty() if self.parallel.is_driver else None
         # When every token samples (all decodes) its rows are the hidden states, in order.
-        sampled_hidden = hidden if len(inputs.sampled_states) == inputs.num_tokens else hidden.index_select(0, inputs.logits_indices)
-        logits = self.model.compute_logits(sampled_hidden)
+        if not pruned and len(inputs.sampled_states) != inputs.num_tokens:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        logits = self.model.compute_logits(hidden)
         if not self.parallel.is_driver:
             return None
         batch = self.sampling_batch.build(inputs.sampled_states)
@@ -138,18 +140,29 @@ class ModelRunner:
             self.lora_manager.drop_retired(in_use)
             self.lora_manager.ensure(new, in_use)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None) -> torch.Tensor | None:
-        """This stage's part of the forward pass; None on every stage but the last."""
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: StepInputs | None, sampled_rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """This stage's part of the forward pass; None on every stage but the last, which returns
+        only `sampled_rows` where given (LlamaModel.forward)."""
         meta = inputs.meta if inputs is not None else None
         hidden = None
         if not self.parallel.is_first_stage:
             shape = (input_ids.shape[0], self.hidden_size)
             hidden = self.parallel.recv_from_previous_stage(shape, self.model_config.dtype, self.device)
-        hidden = self.model(input_ids, positions, meta, hidden)
+        hidden = self.model(input_ids, positions, meta, hidden, sampled_rows if self.parallel.is_last_stage else None)
         if not self.parallel.is_last_stage:
             self.parallel.send_to_next_stage(hidden)
             return None
         return hidden
+
+
+def _prunes_last_layer(inputs: StepInputs) -> bool:
+    """Whether the last layer runs past its attention for the sampled rows alone: where some rows
+    sample and some do not (a prefill chunk), and no adapter is in the step (the adapters' rows
+    are laid out for the whole step, workers/lora/context.py). A step that samples nothing (a
+    long prompt's middle chunk alone) keeps every row, so no kernel is asked for zero rows."""
+    return inputs.lora_groups is None and 0 < len(inputs.sampled_states) < inputs.num_tokens
 
 
 class StepThreads:

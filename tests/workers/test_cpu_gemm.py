@@ -26,14 +26,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _forward(model, query_lens=(1, 1, 9, 5), context_lens=(30, 12, 0, 7)) -> torch.Tensor:
+def _forward(model, query_lens=(1, 1, 9, 5), context_lens=(30, 12, 0, 7), sampled_rows=None) -> torch.Tensor:
     num_heads, num_kv_heads, head_dim = attention_dims(model.config)
     batch = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, dtype=model.lm_head.weight.dtype)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
     input_ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(0))
     for attn in model.attention_layers():
         attn.kv_cache = batch.kv_cache.clone()
-    hidden = model(input_ids, positions, batch.meta)
+    hidden = model(input_ids, positions, batch.meta, None, sampled_rows)
     return model.compute_logits(hidden)
 
 

@@ -87,6 +87,50 @@ def test_the_native_layers_are_the_modules_to_the_bit(gemm, name, step, model_di
     assert native.dtype == dtype and torch.equal(native, modules)
 
 
+# MIXED's last row of each request: the rows a step samples when each request reaches its end.
+SAMPLED = torch.tensor([0, 1, 10, 15])
+
+
+def _last_layer_rows(model, monkeypatch) -> list[int]:
+    """The rows each linear layer after the last layer's attention takes, on either path."""
+    rows: list[int] = []
+    last = model.model.layers[str(len(model.model.layers) - 1)]
+    after_attention = {last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj}
+    for module in after_attention:
+        module.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    call = native_layers._Linear.__call__
+
+    def recorded(self, x):
+        if any(self.packed is module.packed_weight for module in after_attention):
+            rows.append(x.shape[0])
+        return call(self, x)
+
+    monkeypatch.setattr(native_layers._Linear, "__call__", recorded)
+    return rows
+
+
+@pytest.mark.parametrize("gemm", GEMMS.values(), ids=GEMMS.keys())
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_the_last_layer_runs_past_its_attention_for_the_sampled_rows_alone(gemm, name, model_dirs, monkeypatch):
+    """`sampled_rows` (the model runner's logits indices in a prefill step): the last layer's
+    o_proj and MLP take those rows alone, on the native path and on the modules, which still agree
+    to the bit; the logits are the whole step's at those rows (to the dtype's rounding: a GEMM's
+    bits may depend on its row count)."""
+    dtype, fp32_gemm, onednn_bf16 = gemm
+    _packing(monkeypatch, fp32_gemm, onednn_bf16)
+    model = build(model_dirs[name], dtype, max_positions=128)
+    whole = _forward(model, **MIXED)[SAMPLED]
+    rows = _last_layer_rows(model, monkeypatch)
+    native = _forward(model, sampled_rows=SAMPLED, **MIXED)
+    assert isinstance(model.model._native_layers, NativeLayers) and rows == [len(SAMPLED)] * 3
+    model.model._native_layers = False  # the module tree
+    modules = _forward(model, sampled_rows=SAMPLED, **MIXED)
+    assert rows == [len(SAMPLED)] * 6
+    assert native.shape == (len(SAMPLED), model.config.vocab_size) and torch.equal(native, modules)
+    torch.testing.assert_close(native, whole)
+
+
 @torch.inference_mode()
 def test_the_bfloat16_layers_call_the_kernels_their_modules_do(model_dirs, monkeypatch):
     """The plan's linears pass the plain weight on, so a decode step of a few rows takes the

@@ -6,10 +6,13 @@ chunk of a prompt, with partially filled last blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedserve.step_types.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.workers.model_runner import _prunes_last_layer
 from pagedserve.workers.step_inputs import CachedRequestState
 from tests.workers.step_inputs_reference import build_step_inputs
 
@@ -89,3 +92,14 @@ def test_logits_rows_are_the_last_token_of_each_request_that_samples():
         assert inputs.positions[row].item() == num_computed + num_scheduled - 1 == known - 1
     assert [state.req_id for state in inputs.sampled_states] == owners  # parallel to the rows
     assert all(state is states[state.req_id] for state in inputs.sampled_states)
+
+
+def test_the_last_layer_keeps_only_the_sampled_rows_of_a_step_that_drops_some():
+    """The model runner runs the last layer past its attention for the logits rows alone where a
+    step has rows that do not sample, unless adapters ride in it (their groups cover every row)."""
+    inputs, _ = build()
+    assert 0 < len(inputs.sampled_states) < inputs.num_tokens and _prunes_last_layer(inputs)
+    assert not _prunes_last_layer(dataclasses.replace(inputs, lora_groups=object()))
+    every_row_samples = dataclasses.replace(inputs, input_ids=inputs.input_ids[: len(inputs.sampled_states)])
+    assert not _prunes_last_layer(every_row_samples)  # a decode-only step: its rows are the logits rows
+    assert not _prunes_last_layer(dataclasses.replace(inputs, sampled_states=[]))  # samples nothing

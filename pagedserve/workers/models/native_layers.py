@@ -75,15 +75,18 @@ class _Layer:
         self.scale = self.attn.scale
         self.cos, self.sin = attention.rotary.cos, attention.rotary.sin
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep`: only these rows past the attention, as LlamaDecoderLayer.forward."""
         rows, kv_cache = hidden.shape[0], self.attn.kv_cache
         q, k, v = self.qkv(cpu_native.rms_norm(hidden, *self.norm1)).split(self.split, dim=-1)
         q = cpu_native.rotary(q.reshape(rows, self.heads, self.head_dim), positions, self.cos, self.sin)
         k = cpu_native.rotary(k.reshape(rows, self.kv_heads, self.head_dim), positions, self.cos, self.sin)
         v = v.reshape(rows, self.kv_heads, self.head_dim)
         cpu_native.write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # every row before any query reads
-        out = cpu_native.paged_attention(q, k, v, kv_cache, meta, self.scale)
-        hidden = hidden + self.o(out.view(rows, self.heads * self.head_dim))
+        out = cpu_native.paged_attention(q, k, v, kv_cache, meta, self.scale).view(rows, self.heads * self.head_dim)
+        if keep is not None:
+            out, hidden = out.index_select(0, keep), hidden.index_select(0, keep)
+        hidden = hidden + self.o(out)
         gate_up = self.gate_up(cpu_native.rms_norm(hidden, *self.norm2))
         return hidden + self.down(cpu_native.silu_and_mul(gate_up))
 
@@ -111,8 +114,9 @@ class NativeLayers:
         (the model's dtype). The caller has checked it is a real step."""
         return current_groups() is None and cpu_native.can_fuse(hidden)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, sampled_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`sampled_rows`: the rows the last layer keeps past its attention (LlamaModel.forward)."""
         positions = positions.long().contiguous()  # once for every layer's rotary, not twice a layer
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             hidden = layer.forward(hidden, positions, meta)
-        return hidden
+        return self.layers[-1].forward(hidden, positions, meta, sampled_rows)
