@@ -9,6 +9,13 @@ idle engine uses no CPU.
 
 An error inside the loop (or an engine that died because its workers could not be rebuilt) is
 delivered to every waiting caller; `is_healthy` turns false for health checks.
+
+The output thread also builds the engine. With the core in this process, the thread that loads
+the model and the thread that steps it must be one: the CPU's parallel ops run on an OpenMP team
+per calling thread, and once a process holds two teams on a small machine (more threads than
+cores), GNU OpenMP stops spinning between ops, so every op of a step waits to wake its team. A
+128-token SmolLM2 prefill took 102-112 ms stepped on a thread other than the one that loaded it,
+against 76-77 ms on that one (2-core Zen 4, bf16; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -80,17 +87,21 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
-        """`placement`: the bundles of a Ray Serve replica's group for the workers (see create_executor)."""
-        self.engine = LLMEngine(config, placement)
+        """`placement`: the bundles of a Ray Serve replica's group for the workers (see create_executor).
+        The output thread builds the engine (module doc); its errors are raised here."""
         self.config = config
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._error: BaseException | None = None
         self._stopping = False
-        self._stats = self.engine.stats_snapshot()  # refreshed by the loop thread
         self._stats_time = 0.0
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine-loop", daemon=True)
+        build_error: list[BaseException] = []
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(placement, built, build_error), name="pagedserve-engine-loop", daemon=True)
         self._thread.start()
+        built.wait()
+        if build_error:
+            raise build_error[0]
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> AsyncLLM:
@@ -206,8 +217,17 @@ class AsyncLLM:
 
     # ---- the loop thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
-        """The output thread: each of the core's steps in turn, until shutdown."""
+    def _run(self, placement: WorkerPlacement | None, built: threading.Event, build_error: list[BaseException]) -> None:
+        """The output thread: builds the engine, then runs each of the core's steps in turn, until
+        shutdown."""
+        try:
+            self.engine = LLMEngine(self.config, placement)
+            self._stats = self.engine.stats_snapshot()  # refreshed by this thread
+        except BaseException as error:
+            build_error.append(error)
+            return
+        finally:
+            built.set()
         try:
             while not self._stopping:
                 outputs = self.engine.step()  # waits for the core's next step

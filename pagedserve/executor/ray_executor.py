@@ -35,6 +35,12 @@ LIVENESS_CHECK_INTERVAL_S = 1.0
 PLACEMENT_GROUP_TIMEOUT_S = 60.0
 STEP_CHANNEL_CONNECT_TIMEOUT_S = 60.0
 LOOPBACK = "127.0.0.1"
+# The worker's concurrency group of one thread that loads, profiles and steps its model: a CPU
+# rank's parallel ops run on an OpenMP team per calling thread, and two teams in one process cost
+# each op a wake-up (engine/async_llm.py's module doc). A 128-token SmolLM2 prefill on one rank of
+# two threads, set up on one of the actor's threads and stepped on another: LLM.generate 124 ms,
+# against 80 ms in process (2-core Zen 4, bf16; docs/benchmarks.md).
+MODEL_THREAD = "model"
 
 
 class RayExecutor(Executor):
@@ -84,8 +90,8 @@ class RayExecutor(Executor):
         self.workers = [self._start_worker(rank, use_gpu) for rank in range(self.world_size)]
         self.node_ips = ray.get([w.get_node_ip.remote() for w in self.workers])
         init_method = self._distributed_init_method()
-        ray.get([w.init_device.remote(init_method) for w in self.workers])
-        ray.get([w.load_model.remote() for w in self.workers])
+        ray.get([_on_model_thread(w.init_device).remote(init_method) for w in self.workers])
+        ray.get([_on_model_thread(w.load_model).remote() for w in self.workers])
         self.pids = ray.get([w.get_pid.remote() for w in self.workers])
 
     def _create_placement_group(self, use_gpu: bool) -> Any:
@@ -114,12 +120,12 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=self.bundle_indices[rank])
-        actor_class = ray.remote(Worker)
+        actor_class = ray.remote(concurrency_groups={MODEL_THREAD: 1})(Worker)  # serve_steps holds it for good
         return actor_class.options(
             num_cpus=0 if use_gpu else 1,
             num_gpus=1 if use_gpu else 0,
             scheduling_strategy=strategy,
-            max_concurrency=2,  # serve_steps holds one thread; the other stays free for calls
+            max_concurrency=1,  # the placement helpers' calls
         ).remote(self.engine_config, self.model_config, rank)
 
     def _distributed_init_method(self) -> str:
@@ -143,7 +149,7 @@ class RayExecutor(Executor):
         secret = step_channel.new_secret()
         with step_channel.listen(host) as server:
             port = server.getsockname()[1]
-            self.loop_refs = [w.serve_steps.remote(host, port, secret) for w in self.workers]
+            self.loop_refs = [_on_model_thread(w.serve_steps).remote(host, port, secret) for w in self.workers]
             try:
                 # Only the group's own nodes may connect (the ranks connect from the address Ray
                 # knows their node by; from the loopback address when all share this node).
@@ -163,12 +169,12 @@ class RayExecutor(Executor):
     def determine_num_kv_blocks(self) -> int:
         import ray
 
-        return min(ray.get([w.determine_num_kv_blocks.remote() for w in self.workers]))
+        return min(ray.get([_on_model_thread(w.determine_num_kv_blocks).remote() for w in self.workers]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         import ray
 
-        ray.get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers])
+        ray.get([_on_model_thread(w.initialize_kv_cache).remote(num_blocks) for w in self.workers])
         # The set-up is done: from here on the steps go over the channels.
         self._open_step_channels()
 
@@ -261,3 +267,8 @@ class RayExecutor(Executor):
             except Exception:
                 logger.warning("could not remove the placement group", exc_info=True)
         self.placement_group = None
+
+
+def _on_model_thread(method: Any) -> Any:
+    """A worker's actor method, called on its model thread (MODEL_THREAD)."""
+    return method.options(concurrency_group=MODEL_THREAD)

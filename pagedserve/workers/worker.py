@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import traceback
 
 import torch
@@ -31,6 +32,9 @@ class Worker:
         self._free_memory_at_start = 0  # CUDA: bytes free once this process's context exists
         # CUDA: (allocated, reserved) bytes torch held then: other engines in this process
         self._torch_memory_at_start = (0, 0)
+        # The thread that set the device up: it loads, profiles and steps the model (a second
+        # thread's parallel ops would run on a second OpenMP team, ray_executor.MODEL_THREAD).
+        self.model_thread: int | None = None
 
     # ---- placement helpers (called by the Ray executor before init_device) -------------------
 
@@ -53,6 +57,7 @@ class Worker:
         """Pick the device and, with more than one rank, join the process group
         (NCCL on CUDA, gloo on the CPU). A CPU rank in a Ray actor runs as many torch threads as
         its bundle has CPUs (Ray sets OMP_NUM_THREADS)."""
+        self.model_thread = threading.get_ident()
         if self.engine_config.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.parallel = init_parallel_context(self.rank, self.engine_config, distributed_init_method, backend)
@@ -94,7 +99,10 @@ class Worker:
 
     def serve_steps(self, host: str, port: int, secret: bytes) -> None:
         """Connect to the executor, prove we hold the group's `secret` (and check it does), then
-        run steps until it closes the connection. Each step gets a `StepReply`."""
+        run steps until it closes the connection. Each step gets a `StepReply`. Runs on the
+        thread that set the device up (`model_thread`)."""
+        if threading.get_ident() != self.model_thread:
+            raise RuntimeError("serve_steps must run on the thread that set the device up and loaded the model (ray_executor.MODEL_THREAD)")
         sock = step_channel.connect(host, port, timeout=step_channel.HANDSHAKE_TIMEOUT_S)
         try:
             channel = step_channel.authenticate_engine(sock, secret, self.rank)

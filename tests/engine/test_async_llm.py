@@ -141,6 +141,42 @@ def test_loop_error_reaches_every_caller(model_dirs):
         llm.shutdown()
 
 
+def test_the_engine_loop_thread_loads_and_steps_the_model(model_dirs, monkeypatch):
+    """With the core in this process the output thread builds the engine too: the thread that
+    steps the model is the one that loaded it (two threads' parallel ops would run on two OpenMP
+    teams, each op waiting to wake its own; async_llm's module doc)."""
+    from pagedserve.workers.model_runner import ModelRunner
+
+    threads = {"load_model": set(), "execute_model": set()}
+    for name in threads:
+        method = getattr(ModelRunner, name)
+        monkeypatch.setattr(ModelRunner, name, lambda self, *a, _m=method, _n=name: threads[_n].add(threading.get_ident()) or _m(self, *a))
+    llm = AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+    try:
+        asyncio.run(collect(llm, "Hello", SamplingParams(max_tokens=2), "thread"))
+        assert threads == {"load_model": {llm._thread.ident}, "execute_model": {llm._thread.ident}}
+        assert llm._thread.ident != threading.get_ident()
+    finally:
+        llm.shutdown()
+
+
+def test_an_engine_that_cannot_be_built_raises_in_the_constructor(model_dirs, monkeypatch):
+    """The output thread's build error is the constructor's, and that thread is gone."""
+    from pagedserve.engine import async_llm
+
+    def no_engine(config, placement):
+        raise FileNotFoundError("no weights here")
+
+    monkeypatch.setattr(async_llm, "LLMEngine", no_engine)
+    before = set(threading.enumerate())
+    with pytest.raises(FileNotFoundError, match="no weights here"):
+        AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
+    wait_until_gone = time.monotonic() + 5
+    while any(t.name == "pagedserve-engine-loop" for t in set(threading.enumerate()) - before) and time.monotonic() < wait_until_gone:
+        time.sleep(0.01)
+    assert not any(t.name == "pagedserve-engine-loop" for t in set(threading.enumerate()) - before)
+
+
 def test_slow_consumer_gets_merged_deltas(async_llm):
     """Deltas that pile up while the caller is busy arrive as one output: nothing lost or doubled."""
     sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, output_kind=RequestOutputKind.DELTA)

@@ -369,3 +369,31 @@ def test_placement_must_give_one_bundle_per_rank():
     config = EngineConfig(model="tiny", tensor_parallel_size=2)  # not resolved: refused first
     with pytest.raises(ValueError, match=r"2 ranks: need one per rank"):
         RayExecutor(config, None, WorkerPlacement(placement_group=None, bundle_indices=(1,)))
+
+
+def test_a_worker_steps_only_on_the_thread_that_set_its_device_up(model_dirs):
+    """The Ray executor calls every model method of a worker on its one model thread
+    (ray_executor.MODEL_THREAD); a step loop started on another thread is refused before it
+    connects, since its parallel ops would run on a second OpenMP team."""
+    import threading
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.core.model_setup import resolve_core_model_config
+    from pagedserve.workers.worker import Worker
+
+    config = EngineConfig(model=str(model_dirs["llama"]), max_model_len=256, distributed_executor_backend="uni")
+    worker = Worker(config, resolve_core_model_config(config))
+    worker.init_device()
+    assert worker.model_thread == threading.get_ident()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            worker.serve_steps("127.0.0.1", 9, b"secret")
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "MODEL_THREAD" in str(errors[0])
