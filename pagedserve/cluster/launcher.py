@@ -185,7 +185,9 @@ def machine_defaults(config: ServerConfig, resources: dict[str, float]) -> Serve
     docs/benchmarks.md).
     The engine core runs in its own process (`engine_core_process`), so the model's Python does not
     wait on the GIL behind Serve's event loop: at 1 req/s, ITL p50 19 ms against 23.7 in one
-    process (the same files)."""
+    process (the same files); with the model stepped on the thread that built it, 14.8-15.0
+    against 15.6-16.2 ms, and 1.07x the output tokens at saturation (engine in the ingress,
+    benchmarks/results/engine_core_process_zen4/)."""
     deployment, engine = config.deployment, config.engine_config()
     is_gpu = engine.device == "cuda" or (engine.device == "auto" and resources.get("GPU", 0) > 0)
     if "num_cpus" in deployment.model_fields_set or is_gpu or engine.world_size > 1 or deployment.max_num_replicas > 1:
