@@ -18,6 +18,7 @@ from pagedserve import LLM, AsyncLLM, SamplingParams
 from pagedserve.engine.async_llm import EngineOverloadedError
 from pagedserve.engine.llm_engine import EngineDeadError
 from pagedserve.sampling_params import RequestOutputKind
+from tests.cluster.conftest import wait_until
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "Once upon a time", "café 日本語"]
 
@@ -171,10 +172,8 @@ def test_an_engine_that_cannot_be_built_raises_in_the_constructor(model_dirs, mo
     before = set(threading.enumerate())
     with pytest.raises(FileNotFoundError, match="no weights here"):
         AsyncLLM.from_engine_args(model=str(model_dirs["llama"]), max_model_len=256)
-    wait_until_gone = time.monotonic() + 5
-    while any(t.name == "pagedserve-engine-loop" for t in set(threading.enumerate()) - before) and time.monotonic() < wait_until_gone:
-        time.sleep(0.01)
-    assert not any(t.name == "pagedserve-engine-loop" for t in set(threading.enumerate()) - before)
+    started = lambda: [t for t in set(threading.enumerate()) - before if t.name == "pagedserve-engine-loop"]  # noqa: E731
+    wait_until(lambda: not started(), timeout=5, what="the engine loop thread to end")
 
 
 def test_slow_consumer_gets_merged_deltas(async_llm):
