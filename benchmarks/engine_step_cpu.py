@@ -73,7 +73,9 @@ def measure_engine_cpu(num_requests: int, steps: int, prompt_len: str = "64:256"
 
         setattr(owner, attribute, wrapper)
 
-    llm = LLM("tiny", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512, enforce_eager=True)
+    # A KV cache that holds every request whole: with the engine's 256 MiB default, admission's
+    # reservation for expected outputs lets only part of them run at once.
+    llm = LLM("tiny", max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=1 << 30)
     engine = llm.llm_engine
     # The in-process core: behind the core client in this tree, the engine itself in older trees.
     core = engine.engine_core.engine_core if hasattr(engine, "engine_core") else engine

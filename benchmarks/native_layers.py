@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import positive_ints, write_report  # noqa: E402
-from cpu_forward import build, steps  # noqa: E402
+from cpu_forward import bind_caches, build, steps  # noqa: E402
 
 from pagedserve.workers.layers import cpu_gemm  # noqa: E402
 
@@ -47,8 +47,7 @@ def parse_args() -> argparse.Namespace:
 
 def compare(model, step: tuple, repeats: int) -> dict:
     input_ids, positions, meta, kv_cache = step
-    for attn in model.attention_layers():
-        attn.kv_cache = kv_cache
+    bind_caches([model], kv_cache)
     forward = lambda: model(input_ids, positions, meta)  # noqa: E731
     forward()  # decides the native path
     native = model.model._native_layers
