@@ -4,7 +4,8 @@ machine shared with other work.
 
 Decode attention: `--num-seqs` decode rows of random context lengths over a paged cache shaped like
 SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), reference vs the pure-torch `cpu`
-backend vs the C++ `native` one, in float32 and bfloat16, one layer; and one prefill chunk of
+backend vs the C++ `native` one, in float32 and bfloat16, one layer (and `native` per layer over
+`--layers` layers' caches in turn, reading its contexts from memory); and one prefill chunk of
 `--prefill-tokens` tokens, reference vs `native`. Sampler: `--num-seqs` rows over a 49,152-token vocabulary at
 temperature 1 (what `vllm bench serve` sends) and greedy; the exponential race over the whole
 vocabulary (the sampler before issue 10) vs `Sampler` now. With `--model` (a Llama-family Hugging
@@ -53,12 +54,26 @@ def attention(args: argparse.Namespace) -> dict:
         if cpu_native.is_available():
             native = cpu_ms(lambda: cpu_native.paged_attention(*inputs), args.repeats)
             row |= {"native_ms": native, "native_vs_reference": round(ref / native, 2), "native_vs_cpu": round(fast / native, 2)}
+            row["native_from_memory_ms"] = native_from_memory(lens, dtype, args)
             prefill = make_batch([args.prefill_tokens], [0], 9, 3, head_dim=64, block_size=16, dtype=dtype)
             prefill_inputs = (prefill.query, prefill.key, prefill.value, prefill.kv_cache, prefill.meta, prefill.scale)
             row["prefill_reference_ms"] = cpu_ms(lambda: reference.paged_attention(*prefill_inputs), args.repeats)
             row["prefill_native_ms"] = cpu_ms(lambda: cpu_native.paged_attention(*prefill_inputs), args.repeats)
         result[str(dtype).removeprefix("torch.")] = row
     return result
+
+
+def native_from_memory(lens: list[int], dtype: torch.dtype, args: argparse.Namespace) -> float:
+    """The native decode attention per layer over `--layers` layers' caches in turn, as a forward
+    reads them: each layer's contexts come from memory. One layer called again and again finds
+    its cache in the CPU's (a 128-row bf16 step's is 19 MB), and hides the memory stalls."""
+    batches = [make_batch([1] * len(lens), [n - 1 for n in lens], 9, 3, head_dim=64, block_size=16, dtype=dtype, seed=layer) for layer in range(args.layers)]
+
+    def every_layer() -> None:
+        for b in batches:
+            cpu_native.paged_attention(b.query, b.key, b.value, b.kv_cache, b.meta, b.scale)
+
+    return round(cpu_ms(every_layer, args.repeats) / args.layers, 3)
 
 
 def old_exponential_race(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -94,6 +109,7 @@ def main() -> None:
     parser.add_argument("--min-context", type=int, default=128)
     parser.add_argument("--max-context", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=30, help="layers' caches the from-memory decode attention reads in turn")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", help="a Hugging Face folder: also time its whole forward, eager vs compiled")
     parser.add_argument("--prefill-tokens", type=int, default=512)

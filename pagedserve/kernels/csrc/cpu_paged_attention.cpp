@@ -88,11 +88,12 @@ inline void row_to_float(const T* src, float* dst, int64_t n) {
 
 // The blocks of a sequence lie anywhere in the cache: without a prefetch, each new block's first
 // rows stall on memory (measured: the prefetch made a 128-row bf16 decode 1.2x faster).
-// Into L2, not L1: a prefetch into L1 holds one of L1's few miss buffers until its line arrives,
-// and a tile's 64 lines (16 keys and values) overflowed them, so loads waited behind prefetches.
+// Into L2, not L1: most likely a prefetch into L1 holds one of L1's few miss buffers until its
+// line arrives, and a tile's 64 lines (16 keys and values) overflowed them, so the loads waited.
 // With every layer's cache in memory, as a forward reads them (2-core Zen 4, SmolLM2's shapes,
-// 30 layers' caches in turn): 200 bf16 decode rows of 128-168 tokens 1.27x faster into L2, one
-// tile ahead (56 against 43 ms); float32 1.33x; 64 rows of about 1100 tokens 1.27x.
+// 30 layers' caches in turn, benchmarks/cpu_kernels.py): into L2 and spread over the tile loop,
+// 200 bf16 decode rows of 128-168 tokens 1.4x faster, 64 rows of about 1100 tokens 1.7x; float32
+// (the per-key passes, the next block into L2) 1.3x.
 template <typename T>
 inline void prefetch_block(const T* block, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(block);
@@ -135,9 +136,9 @@ struct Scratch {  // one per thread and call, reused by its tasks
   KeyOffsets offsets;
 };
 
-// At most this much of the next task's K and V, plus a block: its first block or two (the tile
-// loop fetches the rest a tile ahead). All of a decode row's context at once (up to 64 KB) was slower: more
-// lines in flight than the core keeps, and the loads of the task running queued behind them.
+// At most this much of the next task's K and V, plus a block: its first two tiles in bf16 (the
+// tile loop fetches the rest two tiles ahead). All of a decode row's context at once (up to 64
+// KB) was slower: more lines in flight than the core keeps, and the running task's loads queued.
 constexpr int64_t kPrefetchBytes = 4 * 1024;
 constexpr int64_t kTaskCost = 16;              // a task's fixed cost, in keys, for the split among threads
 
@@ -324,11 +325,12 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
     for (int64_t j = 0; j < G; ++j)
       for (int64_t c = 0; c < C; ++c) a[j][c] = _mm512_load_ps(acc[j] + c * 16);
     for (int64_t k = 0; k < n; ++k) {
-      // The next tile's key and value, one of each per key here rather than all at the tile's
-      // start (two or three tiles ahead, or in one burst, measured slower).
-      if (prefetch && t0 + kTile + k < context) {
-        prefetch_block(key_head + offsets[t0 + kTile + k], D);
-        prefetch_block(value_head + offsets[t0 + kTile + k], D);
+      // A key and a value two tiles ahead, one of each per key here: spread over the loop, not
+      // all at the tile's start (1.06x at 148 tokens of context, 1.4x at 1100). One or three
+      // tiles ahead measured slower.
+      if (prefetch && t0 + 2 * kTile + k < context) {
+        prefetch_block(key_head + offsets[t0 + 2 * kTile + k], D);
+        prefetch_block(value_head + offsets[t0 + 2 * kTile + k], D);
       }
       const T* v = value_head + offsets[t0 + k];
       for (int64_t c = 0; c < C; ++c) {
