@@ -90,10 +90,10 @@ inline void row_to_float(const T* src, float* dst, int64_t n) {
 // rows stall on memory (measured: the prefetch made a 128-row bf16 decode 1.2x faster).
 // Into L2, not L1: most likely a prefetch into L1 holds one of L1's few miss buffers until its
 // line arrives, and a tile's 64 lines (16 keys and values) overflowed them, so the loads waited.
-// With every layer's cache in memory, as a forward reads them (2-core Zen 4, SmolLM2's shapes,
-// 30 layers' caches in turn, benchmarks/cpu_kernels.py): into L2 and spread over the tile loop,
-// 200 bf16 decode rows of 128-168 tokens 1.4x faster, 64 rows of about 1100 tokens 1.7x; float32
-// (the per-key passes, the next block into L2) 1.3x.
+// With every layer's cache in memory, as a forward reads them (Zen 4, SmolLM2's shapes, one
+// thread, `native_from_memory_ms` of benchmarks/cpu_kernels.py): into L2 and spread over the
+// tile loop, 256 bf16 decode rows of 128-192 tokens 1.45x faster, 64 rows of 1024-1152 tokens
+// 1.88x; float32 (the per-key passes, the next block into L2) 1.42x and 1.57x.
 template <typename T>
 inline void prefetch_block(const T* block, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(block);
@@ -326,8 +326,8 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
       for (int64_t c = 0; c < C; ++c) a[j][c] = _mm512_load_ps(acc[j] + c * 16);
     for (int64_t k = 0; k < n; ++k) {
       // A key and a value two tiles ahead, one of each per key here: spread over the loop, not
-      // all at the tile's start (1.06x at 148 tokens of context, 1.4x at 1100). One or three
-      // tiles ahead measured slower.
+      // all at the tile's start. Against one tile ahead (two threads, scratch): 1.06x at 148
+      // tokens of context, 1.4x at 1100; three ahead, or a burst at the tile's start, slower.
       if (prefetch && t0 + 2 * kTile + k < context) {
         prefetch_block(key_head + offsets[t0 + 2 * kTile + k], D);
         prefetch_block(value_head + offsets[t0 + 2 * kTile + k], D);
