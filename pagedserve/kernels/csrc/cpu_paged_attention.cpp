@@ -108,6 +108,19 @@ inline const T* block_of(const T* head, const int32_t* block_table, int64_t t, i
   return head + static_cast<int64_t>(block_table[b]) * elements;
 }
 
+// Token t's row of a head's context, and a prefetch of the row two blocks after it: one row per
+// key, spread over the pass, where block_of's whole next block at once (a float32 block is 64
+// lines) left the pass waiting. float32 decode, 30 layers' caches in turn (Zen 4, two threads,
+// scratch): 200 rows of 128-168 tokens 1.28x faster, 64 rows of about 1100 tokens 1.19x.
+template <typename T>
+inline const T* row_of(const T* head, const int32_t* block_table, int64_t t, int64_t context, int64_t block_size, int64_t head_dim) {
+  const int shift = std::countr_zero(static_cast<uint64_t>(block_size));  // a power of two: no division per key
+  const int64_t ahead = t + 2 * block_size, mask = block_size - 1, elements = block_size * head_dim;
+  if (ahead < context)
+    prefetch_block(head + static_cast<int64_t>(block_table[ahead >> shift]) * elements + (ahead & mask) * head_dim, head_dim);
+  return head + static_cast<int64_t>(block_table[t >> shift]) * elements + (t & mask) * head_dim;
+}
+
 struct Shape {
   int64_t num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks;
 };
@@ -368,10 +381,8 @@ bool attend_per_key(const T* query, T* out, const T* key_head, const T* value_he
   V q[G][C];
   for (int64_t j = 0; j < G; ++j)
     for (int64_t c = 0; c < C; ++c) q[j][c] = L::mul(L::load(query + j * D + c * W), L::set1(scale));
-  const T* block = nullptr;
   for (int64_t t = 0; t < context; ++t) {
-    if ((t & (BS - 1)) == 0) block = block_of(key_head, block_table, t, context, BS, D);
-    const T* k = block + (t & (BS - 1)) * D;
+    const T* k = row_of(key_head, block_table, t, context, BS, D);
     V acc[G];
     for (int64_t j = 0; j < G; ++j) acc[j] = L::zero();
     for (int64_t c = 0; c < C; ++c) {
@@ -399,8 +410,7 @@ bool attend_per_key(const T* query, T* out, const T* key_head, const T* value_he
   for (int64_t j = 0; j < G; ++j)
     for (int64_t c = 0; c < C; ++c) acc[j][c] = L::zero();
   for (int64_t t = 0; t < context; ++t) {
-    if ((t & (BS - 1)) == 0) block = block_of(value_head, block_table, t, context, BS, D);
-    const T* v = block + (t & (BS - 1)) * D;
+    const T* v = row_of(value_head, block_table, t, context, BS, D);
     for (int64_t c = 0; c < C; ++c) {
       const V vc = L::load(v + c * W);
       for (int64_t j = 0; j < G; ++j) acc[j][c] = L::fmadd(L::set1(scores[j * padded + t]), vc, acc[j][c]);
