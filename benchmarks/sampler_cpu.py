@@ -1,5 +1,7 @@
 """The sampler's cost per decode step on the CPU: truncation from each row's top candidates
-(workers/truncation.py) against the full sort of every row, on real logits.
+(workers/truncation.py) against the full sort of every row, on real logits; and the greedy
+argmax of bf16 logits (`sampler.argmax_rows`, the native kernel in the logits' dtype) against
+torch's float32 copy and argmax, which the sampler ran before.
 
 The logits are SmolLM2's (Hugging Face, float32) at every position of a few natural texts, so the
 nuclei have the sizes a served model's have. Each batch size draws its rows from them; both ways
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import least_ms, write_report  # noqa: E402
 
+from pagedserve.workers.sampler import argmax_rows  # noqa: E402
 from pagedserve.workers.truncation import _draw_from_candidates, sample_by_sort, sample_truncated  # noqa: E402
 
 TEXTS = [
@@ -67,10 +70,21 @@ def measure(pool: torch.Tensor, rows: int, temperature: float, top_p: float, rep
             "speedup": round(sort_ms / candidates_ms, 1), "rows_settled": round(float(settled.float().mean()), 3), "same_tokens": same}
 
 
+def measure_greedy(pool: torch.Tensor, rows: int, repeats: int) -> dict:
+    """bf16 logits (the served model's dtype): the argmax in their dtype against float32 copy and argmax."""
+    picks = torch.randint(len(pool), (rows,), generator=torch.Generator().manual_seed(rows))
+    logits = pool[picks].to(torch.bfloat16)
+    same = torch.equal(argmax_rows(logits), logits.float().argmax(-1))
+    torch_ms = least_ms(lambda: logits.float().argmax(-1), repeats, clock=time.perf_counter)
+    native_ms = least_ms(lambda: argmax_rows(logits), repeats, clock=time.perf_counter)
+    return {"rows": rows, "float_copy_and_argmax_ms": round(torch_ms, 3), "argmax_rows_ms": round(native_ms, 3),
+            "speedup": round(torch_ms / native_ms, 1), "same_tokens": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="SmolLM2's Hugging Face folder (python -m pagedserve.demo --hf-folder DIR)")
-    parser.add_argument("--rows", default="1,16,64,128,256")
+    parser.add_argument("--rows", default="1,16,64,128,211,256")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the worker's, on a 2-core machine)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path)
@@ -84,7 +98,10 @@ def main() -> None:
         if not all(run["same_tokens"] for run in runs):
             write_report(report, args.output)
             sys.exit(f"{name}: the candidate path picked other tokens than the sort")
+    report["greedy_bf16"] = [measure_greedy(pool, int(rows), args.repeats) for rows in args.rows.split(",")]
     write_report(report, args.output)
+    if not all(run["same_tokens"] for run in report["greedy_bf16"]):
+        sys.exit("greedy: argmax_rows picked other tokens than torch's argmax")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import torch
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.workers.step_inputs import CachedRequestState
-from pagedserve.workers.sampler import Sampler, _apply_penalties, sample_inverse_cdf, step_seed
+from pagedserve.kernels import cpu_native
+from pagedserve.workers.sampler import Sampler, _apply_penalties, argmax_rows, sample_inverse_cdf, step_seed
 from pagedserve.workers.sampling_batch import build_sampling_batch
 
 CPU = torch.device("cpu")
@@ -73,6 +74,56 @@ def test_greedy_rows_are_argmax_among_random_rows():
     argmax = logits.argmax(-1)
     assert torch.equal(tokens[0::2], argmax[0::2])
     assert (tokens[1::2] != argmax[1::2]).sum() > 20  # the random rows really are random
+
+
+def argmax_cases(dtype: torch.dtype, width: int) -> torch.Tensor:
+    """Rows that test an argmax's rules: random, all equal, all -inf, NaNs (the first wins), ties
+    at the far ends, +inf twice, and a few values repeated everywhere."""
+    rows = (torch.randn(9, width, generator=torch.Generator().manual_seed(width)) * 3).to(dtype)
+    rows[1], rows[2] = 1.0, float("-inf")
+    rows[3, width // 2] = rows[3, width - 1] = float("nan")
+    rows[4] = 0.0
+    rows[4, width // 3] = rows[4, width - 1] = 2.0
+    rows[5, 0] = rows[5, width - 1] = float("inf")
+    rows[6] = torch.randint(0, 3, (width,), generator=torch.Generator().manual_seed(1)).to(dtype)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [1, 2, 15, 16, 17, 33, 100, 49155])
+def test_argmax_rows_is_torchs_argmax(dtype, width):
+    """The sampler's argmax (native on the CPU, in the logits' dtype) gives torch's answer bit for
+    bit on the rows where the rules matter, across the vector width's edges, and on rows that lie
+    apart in memory (a view's stride)."""
+    rows = argmax_cases(dtype, width)
+    assert torch.equal(argmax_rows(rows), rows.argmax(-1))
+    wider = torch.randn(5, width + 9, generator=torch.Generator().manual_seed(4)).to(dtype)
+    view = wider[:, 4 : 4 + width]
+    assert torch.equal(argmax_rows(view), view.argmax(-1))
+
+
+def test_argmax_rows_runs_natively_on_the_cpu(monkeypatch):
+    """On a CPU where the kernels build, the argmax is the native kernel's, not torch's."""
+    assert cpu_native.is_available()
+    rows = argmax_cases(torch.bfloat16, 300)
+    expected = rows.argmax(-1)
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda *args, **kwargs: pytest.fail("torch's argmax ran"))
+    assert torch.equal(argmax_rows(rows), expected)
+
+
+def test_all_greedy_bf16_logits_sample_without_a_float32_copy(monkeypatch):
+    """An all-greedy batch without logprobs, penalties or grammar takes its argmax on the logits
+    as they come; the batch with logprobs still widens them (log_softmax in float32)."""
+    logits = torch.randn(6, 70, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    expected = logits.float().argmax(-1)
+    widened = []
+    original = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: widened.append(self.shape) or original(self, *a, **k))
+    greedy = [state(SamplingParams(temperature=0.0)) for _ in range(6)]
+    assert torch.equal(sample(logits, greedy).sampled_token_ids, expected)
+    assert widened == []
+    out = sample(logits, [state(SamplingParams(temperature=0.0, logprobs=1)) for _ in range(6)])
+    assert torch.equal(out.sampled_token_ids, expected) and widened == [logits.shape]
 
 
 def test_sampler_leaves_input_logits_untouched():
