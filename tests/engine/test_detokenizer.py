@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher, backend_decode
 from pagedserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -113,6 +113,32 @@ def test_skip_special_tokens(tokenizer, skip, expected):
     token_ids = encode(tokenizer, "hi") + [user] + encode(tokenizer, " there") + [eos]
     deltas, _ = stream(make(tokenizer, skip_special_tokens=skip), token_ids)
     assert "".join(deltas) == expected
+
+
+def test_the_rust_decode_gives_transformers_text(tokenizer):
+    """The detokenizer calls the Rust tokenizer's decode directly where transformers' would give
+    the same text: every prefix of a text with split characters and special tokens, both ways."""
+    decode = backend_decode(tokenizer)
+    assert decode == tokenizer._tokenizer.decode
+    user, eos = tokenizer.convert_tokens_to_ids(["<|user|>", "<|eos|>"])
+    token_ids = encode(tokenizer, MULTIBYTE) + [user] + encode(tokenizer, " ok") + [eos]
+    for end in range(1, len(token_ids) + 1):
+        for skip in (True, False):
+            assert decode(token_ids[:end], skip_special_tokens=skip) == tokenizer.decode(token_ids[:end], skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_or_decodes_its_own_way_keeps_transformers_decode(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert backend_decode(tokenizer) == tokenizer.decode
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", False)
+
+    class OwnDecode(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    monkeypatch.setattr(tokenizer, "__class__", OwnDecode)
+    assert backend_decode(tokenizer) == tokenizer.decode
+    assert stream(make(tokenizer), encode(tokenizer, "a b"))[0][-1] == ""  # the override is what decodes
 
 
 # ---- stop tokens --------------------------------------------------------------------------
