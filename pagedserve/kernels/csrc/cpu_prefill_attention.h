@@ -10,7 +10,11 @@
 //   its 16 scores with no sum across lanes, and each loaded pair serves the 24 heads;
 // - the values are packed to float32 ([key][head_dim]) and weighted in float32, each value
 //   vector loaded once for the 24 heads. The probabilities are not rounded to bf16, so the
-//   output is the float32 attention rounded once, as on the per-row path.
+//   output is the float32 attention rounded once, as on the per-row path;
+// - the online softmax goes the heads side by side: a tile's maxima of all 24 heads in one tree
+//   of shuffles (max_lanes16), their running maxima and rescale factors one vector per sixteen
+//   heads, where one head after another waited on its own horizontal max and scalar exp; the
+//   masks only in the tiles that reach past a row's context, the rescale only when a maximum rose.
 //
 // A query head's arithmetic depends on its own query and context alone: a block pads with
 // copies of its last row, which are computed and not stored.
@@ -35,6 +39,20 @@ namespace pagedserve {
 
 constexpr int64_t kBlockHeads = 24;  // query heads a block computes: 24 score registers + a key's
 constexpr int64_t kKeyTile = 16;
+
+// v[k]'s largest lane, for k = 0..15, as one vector (lane k): a tree of shuffles for all sixteen.
+inline __m512 max_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) pairs[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 lo = _mm512_max_ps(_mm512_shuffle_f32x4(quads[0], quads[1], even), _mm512_shuffle_f32x4(quads[0], quads[1], odd));
+  const __m512 hi = _mm512_max_ps(_mm512_shuffle_f32x4(quads[2], quads[3], even), _mm512_shuffle_f32x4(quads[2], quads[3], odd));
+  return _mm512_max_ps(_mm512_shuffle_f32x4(lo, hi, even), _mm512_shuffle_f32x4(lo, hi, odd));
+}
 
 // Query rows a block takes for G query heads per KV head.
 constexpr int64_t block_rows(int64_t group) { return kBlockHeads / group; }
@@ -77,21 +95,22 @@ void attend_block(const c10::BFloat16* query, c10::BFloat16* out, int64_t row_st
   const int64_t last_context = first_context + rows - 1;
   const uint32_t* key_pairs = reinterpret_cast<const uint32_t*>(packed);
   const float* values = packed + packed_keys(packed_context) * P;
+  constexpr int64_t H = (N + 15) / 16;  // vectors of one lane per head
   alignas(64) uint32_t q[N][P];
   alignas(64) float acc[N][D], probs[N][kKeyTile], lane_sums[N][kKeyTile];
-  float maxes[N], shrink[N];
+  alignas(64) float maxes[H * 16], shrink[H * 16];
   int64_t context[N];
   for (int64_t i = 0; i < N; ++i) {
     const int64_t row = std::min(i / G, rows - 1);  // padding: the last row again
     std::memcpy(q[i], query + row * row_stride + (i % G) * D, D * sizeof(c10::BFloat16));
     std::fill(acc[i], acc[i] + D, 0.f);
     std::fill(lane_sums[i], lane_sums[i] + kKeyTile, 0.f);
-    maxes[i] = -std::numeric_limits<float>::infinity();
     context[i] = first_context + row;
   }
+  std::fill(maxes, maxes + H * 16, -std::numeric_limits<float>::infinity());
   for (int64_t t0 = 0; t0 < last_context; t0 += kKeyTile) {
     const uint32_t* kt = key_pairs + t0 * P;
-    __m512 s[N];
+    __m512 s[H * 16];
 #pragma GCC unroll 24
     for (int64_t i = 0; i < N; ++i) s[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < P; ++p) {
@@ -99,23 +118,33 @@ void attend_block(const c10::BFloat16* query, c10::BFloat16* out, int64_t row_st
 #pragma GCC unroll 24
       for (int64_t i = 0; i < N; ++i) s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i][p])), k);
     }
-    for (int64_t i = 0; i < N; ++i) {  // online softmax, each head on its own
-      const int64_t visible = std::clamp<int64_t>(context[i] - t0, 0, kKeyTile);
-      const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1);
-      if (visible == 0) {
-        shrink[i] = 1.f;
-        _mm512_store_ps(probs[i], _mm512_setzero_ps());
-        continue;
-      }
-      const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                                 _mm512_mul_ps(s[i], _mm512_set1_ps(scale)));
-      const float tile_max = _mm512_reduce_max_ps(scores);
-      shrink[i] = 1.f;
-      if (tile_max > maxes[i]) {
-        shrink[i] = std::exp(maxes[i] - tile_max);
-        maxes[i] = tile_max;
-      }
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(maxes[i]))));
+    // The online softmax, the heads side by side: each head's keys past its context masked (only
+    // in the tiles that reach past the block's first row's context), the tile's maxima of all
+    // heads in one tree of shuffles, the running maxima and their rescale factors one vector per
+    // sixteen heads, then each head's 16 probabilities from one vector exponential.
+    __mmask16 valid[N];
+    const bool diagonal = t0 + kKeyTile > first_context;
+#pragma GCC unroll 24
+    for (int64_t i = 0; i < N; ++i) {
+      valid[i] = diagonal ? static_cast<__mmask16>((1u << std::clamp<int64_t>(context[i] - t0, 0, kKeyTile)) - 1) : 0xFFFF;
+      s[i] = _mm512_mask_blend_ps(valid[i], _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _mm512_mul_ps(s[i], _mm512_set1_ps(scale)));
+    }
+    for (int64_t i = N; i < H * 16; ++i) s[i] = s[N - 1];  // lanes past the last head: ignored
+    bool rescale = false;
+    for (int64_t h = 0; h < H; ++h) {
+      const __m512 old_max = _mm512_load_ps(maxes + h * 16);
+      const __m512 new_max = _mm512_max_ps(old_max, max_lanes16(s + h * 16));
+      // exp(old - new): 1 where the maximum held; 0 from -inf (the first tile, nothing to rescale).
+      const __mmask16 rose = _mm512_cmp_ps_mask(new_max, old_max, _CMP_GT_OQ);
+      const __mmask16 had_any = _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+      const __m512 factor = _mm512_maskz_mov_ps(had_any, exp16(_mm512_sub_ps(old_max, new_max)));
+      _mm512_store_ps(shrink + h * 16, _mm512_mask_blend_ps(rose, _mm512_set1_ps(1.f), factor));
+      _mm512_store_ps(maxes + h * 16, new_max);
+      rescale |= rose != 0;
+    }
+#pragma GCC unroll 24
+    for (int64_t i = 0; i < N; ++i) {
+      const __m512 p = _mm512_maskz_mov_ps(valid[i], exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(maxes[i]))));
       _mm512_store_ps(lane_sums[i], _mm512_fmadd_ps(_mm512_load_ps(lane_sums[i]), _mm512_set1_ps(shrink[i]), p));
       _mm512_store_ps(probs[i], p);
     }
@@ -124,7 +153,10 @@ void attend_block(const c10::BFloat16* query, c10::BFloat16* out, int64_t row_st
     for (int64_t c = 0; c < C; ++c) {  // the weighted values, 16 of head_dim at a time for all N heads
       __m512 a[N];
 #pragma GCC unroll 24
-      for (int64_t i = 0; i < N; ++i) a[i] = _mm512_mul_ps(_mm512_load_ps(acc[i] + c * 16), _mm512_set1_ps(shrink[i]));
+      for (int64_t i = 0; i < N; ++i) {
+        a[i] = _mm512_load_ps(acc[i] + c * 16);
+        if (rescale) a[i] = _mm512_mul_ps(a[i], _mm512_set1_ps(shrink[i]));
+      }
       for (int64_t k = 0; k < n; ++k) {
         const __m512 v = _mm512_loadu_ps(vt + k * D + c * 16);
 #pragma GCC unroll 24
