@@ -1,12 +1,12 @@
 // The greedy sampler's argmax over each row of the logits, in the logits' own dtype.
 //
 // torch's argmax on the CPU reduces a row on one thread, and the sampler first widened bf16
-// logits to float32: at 211 rows of SmolLM2's 49152 (2-core Zen 4) the copy and the argmax took
-// 5.75 ms of a 200-210 ms decode step (the copy alone 11.8 ms without tcmalloc); this kernel 0.71
-// (`benchmarks/sampler_cpu.py`, `greedy_bf16`). Here the rows go to
-// the threads and each is read once, sixteen lanes at a time; widening bf16 or fp16 to float32
-// is exact, so the answer is the same. torch's rules hold: the first index of the largest value,
-// and a NaN counts as the largest (the first NaN wins).
+// logits to float32: for 211 rows of SmolLM2's 49152 (2-core Zen 4) the copy and the argmax took
+// 5.75 ms of a 200-210 ms decode step (the copy alone 11.8 ms without tcmalloc), this kernel 0.71
+// (`benchmarks/sampler_cpu.py`, `greedy_bf16`). Here the threads split the rows and read each
+// once, sixteen lanes at a time; widening bf16 or fp16 to float32 is exact, so the answer is the
+// same. torch's rules hold: the first index of the largest value, and a NaN counts as the
+// largest (the first NaN wins).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
