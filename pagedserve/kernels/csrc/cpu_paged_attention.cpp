@@ -214,27 +214,11 @@ void attend_one(const T* query, T* out, const T* key_head, const T* value_head, 
 #if defined(__AVX512F__)
 // The AVX-512 path works on tiles of 16 keys with an online softmax (one pass over K and V,
 // block by block, the running max rescaling what came before). A tile's 16 dot products are
-// summed across their lanes together, in a tree of shuffles (sum_lanes16), instead of one
+// summed across their lanes together, in a tree of shuffles (sum_lanes16, vec_math.h), instead of one
 // horizontal sum per key; its 16 probabilities come from one vector exponential per head. A task's
 // arithmetic depends on its own inputs alone, never on the batch around it.
 
 constexpr int64_t kTile = 16;
-
-// v[k]'s sixteen lanes summed, for k = 0..15, as one vector (lane k). The same tree for every
-// key, so a key's score does not depend on where it sits in its tile.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, one partial sum each
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], even), _mm512_shuffle_f32x4(quads[0], quads[1], odd));
-  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], even), _mm512_shuffle_f32x4(quads[2], quads[3], odd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, even), _mm512_shuffle_f32x4(lo, hi, odd));
-}
 
 template <typename T, int64_t C>
 constexpr bool kBf16Dots =
@@ -308,7 +292,7 @@ bool attend_tiles(const T* query, T* out, const T* key_head, const T* value_head
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     tile_dots<T, G, C>(query, q, key_head, offsets + t0, n, dots);
     for (int64_t j = 0; j < G; ++j) {
-      __m512 scores = sum_lanes16(dots[j]);
+      __m512 scores = pagedserve::sum_lanes16(dots[j]);
       if constexpr (bf16_dots) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
       scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scores);
       const float tile_max = _mm512_reduce_max_ps(scores);

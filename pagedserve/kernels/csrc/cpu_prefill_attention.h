@@ -12,7 +12,7 @@
 //   vector loaded once for the 24 heads. The probabilities are not rounded to bf16, so the
 //   output is the float32 attention rounded once, as on the per-row path;
 // - the online softmax goes the heads side by side: a tile's maxima of all 24 heads in one tree
-//   of shuffles (max_lanes16), their running maxima and rescale factors one vector per sixteen
+//   of shuffles (max_lanes16, vec_math.h), their running maxima and rescale factors one vector per sixteen
 //   heads, where one head after another waited on its own horizontal max and scalar exp; the
 //   masks only in the tiles that reach past a row's context, the rescale only when a maximum rose.
 //
@@ -39,20 +39,6 @@ namespace pagedserve {
 
 constexpr int64_t kBlockHeads = 24;  // query heads a block computes: 24 score registers + a key's
 constexpr int64_t kKeyTile = 16;
-
-// v[k]'s largest lane, for k = 0..15, as one vector (lane k): a tree of shuffles for all sixteen.
-inline __m512 max_lanes16(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) pairs[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-  const __m512 lo = _mm512_max_ps(_mm512_shuffle_f32x4(quads[0], quads[1], even), _mm512_shuffle_f32x4(quads[0], quads[1], odd));
-  const __m512 hi = _mm512_max_ps(_mm512_shuffle_f32x4(quads[2], quads[3], even), _mm512_shuffle_f32x4(quads[2], quads[3], odd));
-  return _mm512_max_ps(_mm512_shuffle_f32x4(lo, hi, even), _mm512_shuffle_f32x4(lo, hi, odd));
-}
 
 // Query rows a block takes for G query heads per KV head.
 constexpr int64_t block_rows(int64_t group) { return kBlockHeads / group; }

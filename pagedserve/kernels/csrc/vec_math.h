@@ -98,6 +98,30 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// v[k]'s sixteen lanes combined by `op` (add, max), for k = 0..15, as one vector (lane k): one
+// tree of shuffles for all sixteen instead of a horizontal reduction each. The same tree for
+// every k, so a key's score does not depend on where it sits in its tile.
+template <typename Op>
+inline __m512 combine_lanes16(const __m512* v, Op op) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    pairs[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i..4i+3, one partial each
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 lo = op(_mm512_shuffle_f32x4(quads[0], quads[1], even), _mm512_shuffle_f32x4(quads[0], quads[1], odd));
+  const __m512 hi = op(_mm512_shuffle_f32x4(quads[2], quads[3], even), _mm512_shuffle_f32x4(quads[2], quads[3], odd));
+  return op(_mm512_shuffle_f32x4(lo, hi, even), _mm512_shuffle_f32x4(lo, hi, odd));
+}
+inline __m512 sum_lanes16(const __m512* v) {
+  return combine_lanes16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+inline __m512 max_lanes16(const __m512* v) {
+  return combine_lanes16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+}
+
 // The sixteen-lane operations the kernels written once for both widths use (Lanes8 below).
 struct Lanes16 {
   using V = __m512;
