@@ -6,6 +6,23 @@ from __future__ import annotations
 
 import os
 
+# Ray's raylet starts every worker process (Serve's replicas, the engine core process they fork,
+# the engine's ranks) at this niceness above its own: 15 by default, meant to keep the raylet
+# responsive beside batch jobs. For a server the workers are the work: at 15, any process at 0 on
+# the same core (a compiler, a log shipper) gets about 28 times a worker's share of it, and a
+# forward whose two OpenMP threads meet at every op stalls on the starved one: a one-core build
+# beside a 2-core Zen 4 server held every request for its 87 s (docs/benchmarks.md, forty-third
+# and forty-fourth sessions). A Ray that pagedserve starts runs its workers at its own niceness;
+# a value the user exported wins.
+WORKER_NICENESS_VARIABLE = "RAY_worker_niceness"
+
+
+def worker_niceness_config(environ: dict | None = None) -> dict[str, int]:
+    """The `_system_config` that starts Ray's workers at the raylet's own niceness, unless the
+    environment sets Ray's variable (which Ray reads itself, and a system config would override)."""
+    environ = os.environ if environ is None else environ
+    return {} if WORKER_NICENESS_VARIABLE in environ else {"worker_niceness": 0}
+
 
 def ensure_ray_initialized(min_cpus: int) -> bool:
     """Join the cluster at RAY_ADDRESS or an already initialised Ray; else start a local one with
@@ -17,7 +34,12 @@ def ensure_ray_initialized(min_cpus: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, min_cpus),
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=worker_niceness_config(),
+    )
     return True
 
 

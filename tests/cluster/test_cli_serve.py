@@ -53,6 +53,7 @@ def test_serve_command_answers_and_stops_on_sigterm(model_dirs, tmp_path):
         _disconnect_mid_stream(f"http://127.0.0.1:{port}", key)
         expected = tcmalloc.find()  # None on a machine without it: then glibc's malloc
         assert _engine_host_allocator(process.pid) == (os.path.realpath(expected) if expected else None)
+        assert _served_niceness(process.pid) == {os.nice(0)}  # not Ray's 15 for workers: pagedserve/ray_env.py
         stream = _stream(f"http://127.0.0.1:{port}", key, max_tokens=500)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -126,6 +127,15 @@ def _engine_host_allocator(pid: int) -> str | None:
     paths = {m.path for m in replicas[0].memory_maps() if "tcmalloc" in os.path.basename(m.path)}
     assert len(paths) <= 1, paths
     return os.path.realpath(paths.pop()) if paths else None
+
+
+def _served_niceness(pid: int) -> set[int]:
+    """The niceness of the Serve replicas among `pid`'s descendants and of the processes they
+    started: the engine's core process among them."""
+    replicas = [p for p in psutil.Process(pid).children(recursive=True) if "ServeReplica" in " ".join(p.cmdline())]
+    served = replicas + [child for replica in replicas for child in replica.children(recursive=True)]
+    assert any("pagedserve.engine.core.proc" in " ".join(p.cmdline()) for p in served), [p.cmdline() for p in served]
+    return {p.nice() for p in served}
 
 
 def _healthy(port: int) -> bool:

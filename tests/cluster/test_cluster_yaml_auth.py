@@ -23,6 +23,7 @@ import pytest
 import requests
 import yaml
 
+from tests.cluster.test_config_security import start_environment
 from tests.helm.operator import PlayedCluster, wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cluster-local.yaml"
@@ -32,6 +33,16 @@ BIN = str(Path(sys.executable).parent)
 DROPPED = ("--port=", "--autoscaling-config=")
 
 pytestmark = pytest.mark.slow
+
+NICENESS_PROBE = """
+import os, sys, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=sys.argv[1], log_to_driver=False)
+niceness = ray.remote(num_cpus=1)(lambda: os.nice(0))
+nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+on = [niceness.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in nodes]
+print(",".join(str(value) for value in ray.get(on)))
+"""
 
 
 def node_env(home: Path, with_auth_mode: bool = True) -> dict[str, str]:
@@ -83,7 +94,7 @@ def test_the_yaml_commands_make_an_authenticated_cluster(tmp_path):
     cluster = PlayedCluster(temp_dir=tempfile.mkdtemp(prefix="psy", dir="/tmp"), auth_mode="token", auth_token=token)
     try:
         head, ports = as_test_node(start_segment(config["head_start_ray_commands"]), cluster, is_head=True)
-        assert head.startswith("RAY_AUTH_MODE=token ray start --head")
+        assert start_environment(head) == {"RAY_AUTH_MODE": "token", "RAY_worker_niceness": "0"} and " ray start --head" in head
         start(cluster, head, node_env(head_home))
         cluster.dashboard_url = f"http://127.0.0.1:{ports['dashboard-port']}"
         gcs = f"127.0.0.1:{ports['port']}"
@@ -91,6 +102,13 @@ def test_the_yaml_commands_make_an_authenticated_cluster(tmp_path):
         worker, _ = as_test_node(start_segment(config["worker_start_ray_commands"]), cluster, is_head=False, gcs_address=gcs)
         start(cluster, worker, node_env(worker_home))
         wait_for(lambda: cluster.node_count() == 2, 180, "the worker joined with the synced token", cluster)
+        # A driver with the token runs a task on each node: Ray started it at the niceness of the
+        # `ray start` that made the node (this process's), not 15 above it.
+        probe = subprocess.run(
+            [sys.executable, "-c", NICENESS_PROBE, gcs], env={**node_env(head_home), "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=180
+        )
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+        assert probe.stdout.split()[-1] == f"{os.nice(0)},{os.nice(0)}", probe.stdout
 
         # The dashboard (and its job and Serve REST API) listens on loopback only, and wants the token.
         listening = [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == ports["dashboard-port"]]

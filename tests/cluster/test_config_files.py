@@ -55,6 +55,16 @@ def validate_cluster_config(data: dict) -> None:
     assert any("constraints.txt" in command for command in data["setup_commands"])
 
 
+@pytest.mark.parametrize("name", ["cluster-local.yaml", "cluster-aws.yaml"])
+def test_cluster_yaml_starts_ray_workers_at_the_raylets_niceness(name):
+    """Ray would start the replicas and the engine at nice 15 (pagedserve/ray_env.py says why not);
+    test_cluster_yaml_auth runs the local YAML's commands and finds its workers at nice 0."""
+    from tests.cluster.test_config_security import ray_starts, start_environment
+
+    starts = ray_starts(yaml.safe_load((CONFIGS / name).read_text()))
+    assert len(starts) == 2 and all(start_environment(s).get("RAY_worker_niceness") == "0" for s in starts), starts
+
+
 def test_aws_cluster_has_a_gpu_worker_type():
     data = yaml.safe_load((CONFIGS / "cluster-aws.yaml").read_text())
     gpu_types = [name for name, node in data["available_node_types"].items() if node["resources"].get("GPU", 0) >= 1]

@@ -39,12 +39,24 @@ def commands_of(node) -> list[str]:
     return found
 
 
+def ray_starts(data: dict) -> list[str]:
+    """Each `ray start ...` shell segment of a launcher config, with its environment prefix."""
+    return [segment.strip() for command in commands_of(data) for segment in re.split(r";|&&|\|\|", command) if "ray start" in segment]
+
+
+def start_environment(segment: str) -> dict[str, str]:
+    """The `NAME=value` assignments a `ray start` segment begins with (its process's environment)."""
+    prefix = segment[: segment.index("ray start")].split()
+    assert all(re.fullmatch(r"[A-Za-z_]\w*=\S*", word) for word in prefix), f"not an environment prefix: {segment!r}"
+    return dict(word.split("=", 1) for word in prefix)
+
+
 def check_cluster_auth(data: dict) -> None:
     """Raises AssertionError naming the first rule a cluster launcher config breaks."""
-    starts = [segment.strip() for command in commands_of(data) for segment in re.split(r";|&&|\|\|", command) if "ray start" in segment]
+    starts = ray_starts(data)
     assert any("--head" in s for s in starts) and any("--address" in s for s in starts), "a head and a worker `ray start`"
     for segment in starts:
-        assert segment.startswith("RAY_AUTH_MODE=token ray start"), f"ray start without token auth: {segment!r}"
+        assert start_environment(segment).get("RAY_AUTH_MODE") == "token", f"ray start without token auth: {segment!r}"
         for host in re.findall(r"--dashboard-host[= ](\S+)", segment):
             assert is_loopback(host), f"dashboard on a public interface: {segment!r}"
     head_setup = data.get("head_setup_commands", [])
@@ -115,6 +127,8 @@ def test_helm_values_are_safe(path):
 UNSAFE_CLUSTERS = [
     pytest.param({"head_start_ray_commands": ["ray start --head --port=6379"], "worker_start_ray_commands": ["RAY_AUTH_MODE=token ray start --address=h:6379"],
                   "head_setup_commands": ["ray get-auth-token --generate"], "cluster_synced_files": [TOKEN_FILE]}, "without token auth", id="head-open"),
+    pytest.param({"head_start_ray_commands": ["RAY_worker_niceness=0 RAY_AUTH_MODE=disabled ray start --head"], "worker_start_ray_commands": ["RAY_AUTH_MODE=token ray start --address=h:6379"],
+                  "head_setup_commands": ["ray get-auth-token --generate"], "cluster_synced_files": [TOKEN_FILE]}, "without token auth", id="head-mode-disabled"),
     pytest.param({"head_start_ray_commands": ["RAY_AUTH_MODE=token ray start --head"], "worker_start_ray_commands": ["ulimit -n 65536; ray start --address=h:6379"],
                   "head_setup_commands": ["ray get-auth-token --generate"], "cluster_synced_files": [TOKEN_FILE]}, "without token auth", id="worker-open"),
     pytest.param({"head_start_ray_commands": ["RAY_AUTH_MODE=token ray start --head --dashboard-host=0.0.0.0"], "worker_start_ray_commands": ["RAY_AUTH_MODE=token ray start --address=h:6379"],

@@ -183,6 +183,7 @@ def test_api_key_reaches_every_pod_through_its_secret(rendered):
     for _, _, pod in pod_templates(one(docs, "RayService")):
         env = {item["name"]: item for item in pod["containers"][0]["env"]}
         env.pop("RAY_AUTH_MODE")  # Ray's own token, test_chart_security
+        env.pop("RAY_worker_niceness")  # test_ray_workers_start_at_the_raylets_niceness
         assert env["PAGEDSERVE_API_KEY"] == {
             "name": "PAGEDSERVE_API_KEY",
             "valueFrom": {"secretKeyRef": {"name": "pagedserve-api-key", "key": "api-key"}},
@@ -191,6 +192,15 @@ def test_api_key_reaches_every_pod_through_its_secret(rendered):
         assert all("value" not in item for item in env.values())
     # The only Secret the chart writes is the Ray token's: never the API key's.
     assert [doc["metadata"]["name"] for doc in docs if doc["kind"] == "Secret"] == ["ps-pagedserve-ray-token"]
+
+
+def test_ray_workers_start_at_the_raylets_niceness(rendered):
+    """Ray would start the replicas and the engine at nice 15 (pagedserve/ray_env.py says why not);
+    test_operator_play finds them at the raylet's niceness on a cluster started from these pods."""
+    for name, docs in rendered.items():
+        for group, _, pod in pod_templates(one(docs, "RayService")):
+            env = {item["name"]: item for item in pod["containers"][0]["env"]}
+            assert env["RAY_worker_niceness"] == {"name": "RAY_worker_niceness", "value": "0"}, (name, group)
 
 
 def test_monitoring_scrapes_the_service_once(rendered):

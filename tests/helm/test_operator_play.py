@@ -6,11 +6,13 @@ checked against the running server's /metrics."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from dataclasses import dataclass
 
 import openai
+import psutil
 import pytest
 import requests
 
@@ -98,6 +100,18 @@ def test_ingress_and_hub_run_on_a_worker_not_the_head(played):
     for name in (INGRESS_DEPLOYMENT, HUB_DEPLOYMENT):
         nodes_of = [replica["node_id"] for replica in deployments[name]["replicas"]]
         assert nodes_of and not set(nodes_of) & head_ids, (name, nodes_of, head_ids)
+
+
+def test_replicas_run_at_the_niceness_of_their_node(played):
+    """The chart's pods start Ray's workers at the raylet's niceness (this process's), not Ray's 15:
+    the ingress, the engine's replica and any process they start."""
+    nodes = [psutil.Process(process.pid) for process in played.cluster.processes]
+    descendants = [child for node in nodes for child in node.children(recursive=True)]
+    replicas = [p for p in descendants if "ServeReplica" in " ".join(p.cmdline())]
+    names = " ".join(" ".join(p.cmdline()) for p in replicas)
+    assert INGRESS_DEPLOYMENT in names and "LLMServer" in names, names
+    served_by = replicas + [child for replica in replicas for child in replica.children(recursive=True)]
+    assert {p.nice() for p in served_by} == {os.nice(0)}, [(p.cmdline()[0], p.nice()) for p in served_by]
 
 
 def test_chat_completion_with_the_secret_key(played, model_dirs):
