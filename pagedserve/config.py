@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagedserve.cpu_list import parse_cpu_list
+
 DEMO_MODEL = "demo"
 MODEL_HELP = (
     "A local Hugging Face checkpoint folder, a .gguf file, a model hub id ('org/name'), "
@@ -96,6 +98,13 @@ class EngineConfig(BaseModel):
         "tokens streamed, get a core without stalling the model's threads; steps with prefill take every thread; "
         "default: the same as every other step. `pagedserve serve` sets it on a machine it has to itself.",
     )
+    cpu_omp_threads_bind: str = Field(
+        "auto",
+        description="the CPUs the model's torch threads run on, one thread to one CPU (vLLM's VLLM_CPU_OMP_THREADS_BIND): "
+        "'auto' binds them in the engine core process when its threads are every CPU it may use (as `pagedserve serve` "
+        "sets up), so that a busy process beside the engine cannot make them share a core; 'nobind'; or a CPU list "
+        "such as '0-3' naming one CPU per torch thread, bound wherever the model runs.",
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
@@ -152,6 +161,16 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(
         None, ge=1, description="Adapters kept loaded in host memory (LRU); default: max_loras. Must be >= max_loras."
     )
+
+    @field_validator("cpu_omp_threads_bind")
+    @classmethod
+    def _auto_nobind_or_cpu_list(cls, value: str) -> str:
+        if value not in ("auto", "nobind"):
+            try:
+                parse_cpu_list(value)
+            except ValueError as error:
+                raise ValueError(f"{error}; or 'auto', or 'nobind'") from None
+        return value
 
     @field_validator("block_size")
     @classmethod

@@ -45,6 +45,7 @@ TOP_LEVEL_MODULES = {
     # Starting or joining Ray: the cluster (replica placement) and the Ray executor
     # both need it, so it sits below both; it imports nothing of the project.
     "pagedserve.ray_env": "bottom",
+    "pagedserve.cpu_list": "bottom",  # '0-3,8': the config validates one, the workers bind threads to one
     "pagedserve.onednn_caches": "bottom",  # the bound on oneDNN's primitive caches, set at the package's import
     # Model name -> checkpoint folder -> ModelConfig. The engine resolves the model once, before
     # any worker starts (it asks the executor for the device and the workers' model registry for

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_paged_attention.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_small_linear.cpp", "cpu_fp32_gemm.cpp", "cpu_lora.cpp", "cpu_grammar_mask.cpp")
+SOURCES = ("cpu_paged_attention.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_small_linear.cpp", "cpu_fp32_gemm.cpp", "cpu_lora.cpp", "cpu_grammar_mask.cpp", "cpu_thread_binding.cpp")
 CSRC = Path(__file__).parent / "csrc"
 ENV_SWITCH = "PAGEDSERVE_NATIVE_KERNELS"
 ENV_CACHE = "PAGEDSERVE_KERNEL_CACHE"

@@ -17,6 +17,7 @@ from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.layers.small_batch_choice import choose_kernel_rows
 from pagedserve.workers.lora.context import lora_context
+from pagedserve.workers.cpu_binding import bind_step_threads
 from pagedserve.workers.lora.manager import WorkerLoRAManager
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
@@ -51,6 +52,8 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.parallel, self.backend, self.device, self.engine_config)
         if self.step_threads is not None:  # the CPU: light steps are where few-row products run
             choose_kernel_rows(self.model, self.step_threads.light)
+            # On the thread that will step the model (it built it): its team is the one to bind.
+            bind_step_threads(self.engine_config.cpu_omp_threads_bind, self.step_threads.full)
         config = self.engine_config
         if config.enable_lora:
             self.lora_manager = WorkerLoRAManager(

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.engine.core.messages import CoreFailed, CoreReady, StartCore
     from pagedserve.engine.core.model_setup import resolve_core_model_config
     from pagedserve.engine.core.step_clock import StepClock
+    from pagedserve.workers.cpu_binding import mark_engine_process
 
+    mark_engine_process()  # this process exists to run the engine: cpu_omp_threads_bind 'auto' may bind here
     conn = Connection(args.conn_fd)
     clock = StepClock(args.clock_fd)
     start: StartCore = messages.recv(conn)

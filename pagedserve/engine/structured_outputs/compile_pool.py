@@ -17,6 +17,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from pagedserve.workers.cpu_binding import unbound
+
 
 class CompileFuture(Future):
     """A compile's future, with the time its thread started it (None while queued)."""
@@ -69,7 +71,8 @@ class CompilePool:
                 continue
             future.started_at = time.monotonic()
             self._running.add(future)
-            threading.Thread(target=self._run, args=(future, fn, args), name="grammar-compile", daemon=True).start()
+            with unbound():  # not on a bound step thread's one CPU (workers/cpu_binding.py)
+                threading.Thread(target=self._run, args=(future, fn, args), name="grammar-compile", daemon=True).start()
 
     def _run(self, future: CompileFuture, fn: Callable, args: tuple) -> None:
         try:

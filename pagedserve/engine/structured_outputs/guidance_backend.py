@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.engine.structured_outputs.backend import BATCH_FILL_THREADS, COMPACT_SEPARATORS, GrammarBackend, GrammarMatcher
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.workers.cpu_binding import unbound
 
 
 class GuidanceMatcher(GrammarMatcher):
@@ -55,7 +56,8 @@ def _executor() -> Any:
     if _EXECUTOR is None:
         import llguidance
 
-        _EXECUTOR = llguidance.LLExecutor(num_threads=BATCH_FILL_THREADS)
+        with unbound():  # its threads not on a bound step thread's one CPU (workers/cpu_binding.py)
+            _EXECUTOR = llguidance.LLExecutor(num_threads=BATCH_FILL_THREADS)
     return _EXECUTOR
 
 

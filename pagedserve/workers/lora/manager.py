@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pagedserve.lora_request import LoRARequest
+from pagedserve.workers.cpu_binding import release_current_thread
 from pagedserve.workers.lora.layer_lora import AdapterWeights, shard_for_layer
 from pagedserve.workers.lora.peft_adapter import check_adapter, read_adapter
 
@@ -54,6 +55,7 @@ def _one_torch_thread() -> None:
     the reader's first read, 190-250 us after; 4 adapters at 8 decode rows: 260 ms a step against
     54 at 4 rows), which is every LoRA step's many low-rank products. One thread here has no team."""
     torch.set_num_threads(1)
+    release_current_thread()  # started from the step thread: not on its one CPU (cpu_binding)
 
 
 class WorkerLoRAManager:

@@ -50,6 +50,28 @@ def test_greedy_matches_hf_token_for_token(core_llm, hf_references):
         assert output.outputs[0].token_ids == hf_references["llama"].greedy(output.prompt_token_ids, 24)
 
 
+@pytest.mark.parametrize("setting", ["auto", "nobind"])
+def test_the_core_binds_its_threads_one_to_a_cpu(model_dirs, hf_references, setting):
+    """`cpu_omp_threads_bind`: with 'auto', where the core's torch threads are every CPU it may
+    use, each runs on a CPU of its own and no other thread of the process shares one (a thread
+    started by the bound step thread would inherit its CPU); greedy output stays Hugging Face's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("binding two threads to two CPUs needs two CPUs")
+    llm = LLM(str(model_dirs["llama"]), max_model_len=128, dtype="float32", engine_core_process=True, num_cpu_threads=len(cpus), cpu_omp_threads_bind=setting)
+    try:
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        pid = llm.llm_engine.engine_core.pid
+        masks = [sorted(os.sched_getaffinity(int(task))) for task in os.listdir(f"/proc/{pid}/task")]
+    finally:
+        llm.shutdown()
+    for output in outputs:
+        assert output.outputs[0].token_ids == hf_references["llama"].greedy(output.prompt_token_ids, 16)
+    bound = sorted(mask[0] for mask in masks if len(mask) == 1)
+    assert bound == (cpus if setting == "auto" else []), masks
+    assert all(mask == cpus for mask in masks if len(mask) > 1), masks
+
+
 def test_front_end_work_matches_in_process(core_llm, model_dirs):
     """Stop strings, n completions, seeds and logprobs are the front end's and the core's work
     split in two: the outputs are the in-process engine's, field for field."""

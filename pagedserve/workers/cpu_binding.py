@@ -1,0 +1,85 @@
+"""Which CPUs the model's torch threads run on (`EngineConfig.cpu_omp_threads_bind`, after vLLM's
+VLLM_CPU_OMP_THREADS_BIND): one thread to one CPU, where the engine has a process of its own.
+
+Unbound, a busy process beside the engine on one core of two made GNU OpenMP's spinning threads
+share the other core at times, and each op then waited out a time slice: a 128-token prefill
+took 3.1 s against 91 ms, a one-row decode step 968 against 11.4 ms; bound, 286 and 46 ms beside
+the same neighbour, unchanged alone (2-core Zen 4, in process; kernels/csrc/cpu_thread_binding.cpp,
+docs/benchmarks.md).
+
+A bound thread's new threads inherit its one CPU, so the engine starts its helper threads (grammar
+compiles, llguidance's fill threads, the LoRA reader) on the process's CPUs: `unbound()` around
+the start, or `release_current_thread()` first thing in the new thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from pagedserve.cpu_list import parse_cpu_list
+
+logger = logging.getLogger(__name__)
+
+NO_BINDING = "nobind"
+_state: dict[str, frozenset[int] | bool] = {}  # "process_cpus" once bound; "engine_process"
+
+
+def mark_engine_process() -> None:
+    """This process exists to run the engine (the engine core process): 'auto' may bind here."""
+    _state["engine_process"] = True
+
+
+def cpus_to_bind(setting: str, threads: int) -> list[int] | None:
+    """The CPUs for the step thread's team of `threads`, or None to leave them unbound. 'auto'
+    binds only in the engine's own process and only where its threads are exactly the CPUs the
+    process may use (Ray's num_cpus, a cgroup's cpuset, taskset): then binding is a permutation,
+    and no other engine process can be counting on the same CPUs."""
+    if setting == NO_BINDING:
+        return None
+    if setting != "auto":
+        cpus = parse_cpu_list(setting)
+        if len(cpus) != threads:
+            raise ValueError(f"cpu_omp_threads_bind {setting!r} names {len(cpus)} CPUs for {threads} torch threads: name one CPU a thread")
+        return cpus
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed if _state.get("engine_process") and threads >= 2 and threads == len(allowed) else None
+
+
+def bind_step_threads(setting: str, threads: int) -> list[int] | None:
+    """Binds the calling thread's torch team of `threads` (it included); the CPUs, or None."""
+    from pagedserve.kernels import native_build
+
+    cpus = cpus_to_bind(setting, threads)
+    if cpus is None:
+        return None
+    if not native_build.load():
+        logger.warning("cpu_omp_threads_bind %r: the native kernels did not build, so torch's threads stay unbound", setting)
+        return None
+    _state.setdefault("process_cpus", frozenset(os.sched_getaffinity(0)))
+    torch.ops.pagedserve_cpu.bind_omp_threads(cpus)
+    logger.info("torch's %d threads bound to CPUs %s (cpu_omp_threads_bind %r)", threads, cpus, setting)
+    return cpus
+
+
+def release_current_thread() -> None:
+    """The calling thread may run on every CPU the process had before binding (a no-op unbound)."""
+    cpus = _state.get("process_cpus")
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+@contextlib.contextmanager
+def unbound() -> Iterator[None]:
+    """The calling thread on the process's CPUs for the block (threads started in it inherit them),
+    then back on its own."""
+    own = os.sched_getaffinity(0)
+    release_current_thread()
+    try:
+        yield
+    finally:
+        if _state.get("process_cpus"):
+            os.sched_setaffinity(0, own)
