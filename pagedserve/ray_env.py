@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 
-# Ray's raylet starts every worker process (Serve's replicas, the engine core process they fork,
+# Ray's raylet starts every worker process (Serve's replicas, the engine core process they start,
 # the engine's ranks) at this niceness above its own: 15 by default, meant to keep the raylet
-# responsive beside batch jobs. For a server the workers are the work: at 15, any process at 0 on
-# the same core (a compiler, a log shipper) gets about 28 times a worker's share of it, and a
-# forward whose two OpenMP threads meet at every op stalls on the starved one: a one-core build
-# beside a 2-core Zen 4 server held every request for its 87 s (docs/benchmarks.md, forty-third
-# and forty-fourth sessions). A Ray that pagedserve starts runs its workers at its own niceness;
-# a value the user exported wins.
+# responsive beside batch jobs. For a server the workers are the work: in one scheduling group (a
+# Kubernetes pod's cgroup, a systemd unit, one session's autogroup) a nice-0 process that wants the
+# same core (the raylet, the GCS, a sidecar) gets about 28 times a nice-15 worker's share of it. A
+# Ray that pagedserve starts runs its workers at its own niceness; a value the user exported wins.
+# (Across groups nice orders nothing: a busy process in another session stalled the model's
+# threads at nice 0 as at 15; binding them, `cpu_omp_threads_bind`, is what fixed that:
+# docs/benchmarks.md, forty-fourth session.)
 WORKER_NICENESS_VARIABLE = "RAY_worker_niceness"
 
 

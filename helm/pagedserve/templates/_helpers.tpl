@@ -126,8 +126,9 @@ defaults are AutoscalingConfig's (tests/helm checks the two agree). */}}
 
 {{/* Environment of every Ray container: secrets by reference only, never their values. */}}
 {{- define "pagedserve.env" -}}
-{{- /* Ray would start its workers (the Serve replicas, the engine) at nice 15, where any busy
-process beside them on a core starves the model's threads: at the raylet's own niceness. */}}
+{{- /* Ray would start its workers (the Serve replicas, the engine) at nice 15, where the raylet,
+the GCS or any nice-0 process in the pod takes a core they both want almost wholly: at the
+raylet's own niceness. */}}
 - name: RAY_worker_niceness
   value: "0"
 {{- if eq .Values.rayAuth.mode "token" }}
