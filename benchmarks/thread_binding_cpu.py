@@ -61,7 +61,8 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
 
     threads = len(os.sched_getaffinity(0))
     llm = LLM(args.model, dtype=args.dtype, engine_core_process=True, num_cpu_threads=threads, cpu_omp_threads_bind=setting,
-              max_model_len=args.prompt_tokens + args.decode_tokens + 16, kv_cache_memory_bytes=1 << 28)  # fmt: skip
+              max_model_len=args.prompt_tokens + args.decode_tokens + 16, kv_cache_memory_bytes=1 << 28,
+              enable_prefix_caching=False)  # every request computes its whole prompt  # fmt: skip
     try:
         timed(llm, prompt, args.decode_tokens + 1, 2)  # warm-up
         result = {}
