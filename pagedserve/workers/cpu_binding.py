@@ -3,9 +3,9 @@ VLLM_CPU_OMP_THREADS_BIND): one thread to one CPU, where the engine has a proces
 
 Unbound, a busy process beside the engine on one core of two made GNU OpenMP's spinning threads
 share the other core at times, and each op then waited out a time slice: a 128-token prefill
-took 3.1 s against 91 ms, a one-row decode step 968 against 11.4 ms; bound, 286 and 46 ms beside
-the same neighbour, unchanged alone (2-core Zen 4, in process; kernels/csrc/cpu_thread_binding.cpp,
-docs/benchmarks.md).
+took 2.7-3.1 s against 85 ms alone, a one-row decode step 0.76-0.97 s against 14 ms; bound,
+307-318 and 46-49 ms beside the same neighbour, level alone; served at 1 req/s beside it, TTFT p99
+1.12 against 15.0 s (2-core Zen 4; benchmarks/results/thread_binding_zen4/, docs/benchmarks.md).
 
 A bound thread's new threads inherit its one CPU, so the engine starts its helper threads (grammar
 compiles, llguidance's fill threads, the LoRA reader) on the process's CPUs: `unbound()` around

@@ -2,11 +2,12 @@
 // to one CPU.
 //
 // GNU OpenMP's threads spin between ops (GOMP_SPINCOUNT, 300k turns by default) before they
-// sleep. Unbound, with a busy process beside the engine on one of two cores, the scheduler lets
-// both of the model's threads share the other core at times, and then each op's barrier waits
-// out the spinner's time slice: in process, a 128-token SmolLM2 prefill took 3.1 s against
-// 91 ms and a one-row decode step 968 against 11.4 ms (2-core Zen 4, docs/benchmarks.md). Bound,
-// the two never share a core: 286 ms and 46 ms beside the same neighbour, unchanged alone.
+// sleep. Unbound, with a busy process beside the engine on one of two cores, the scheduler puts
+// both of the model's threads on one core at times, and then each op's barrier waits out the
+// spinner's time slice: a 128-token SmolLM2 prefill took 2.7-3.1 s against 85 ms alone, a
+// one-row decode step 0.76-0.97 s against 14 ms. Bound, the two never share a core: 307-318 and
+// 46-49 ms beside the same neighbour, level alone (2-core Zen 4, the engine core in its own
+// process; benchmarks/results/thread_binding_zen4/).
 // A thread created later inherits its creator's CPU (workers/cpu_binding.py says how the
 // engine's own threads undo that).
 
