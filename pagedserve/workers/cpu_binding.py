@@ -40,12 +40,14 @@ def cpus_to_bind(setting: str, threads: int) -> list[int] | None:
     and no other engine process can be counting on the same CPUs."""
     if setting == NO_BINDING:
         return None
+    allowed = sorted(os.sched_getaffinity(0))
     if setting != "auto":
         cpus = parse_cpu_list(setting)
         if len(cpus) != threads:
             raise ValueError(f"cpu_omp_threads_bind {setting!r} names {len(cpus)} CPUs for {threads} torch threads: name one CPU a thread")
+        if not set(cpus) <= set(allowed):
+            raise ValueError(f"cpu_omp_threads_bind {setting!r}: this process may run only on CPUs {allowed}")
         return cpus
-    allowed = sorted(os.sched_getaffinity(0))
     return allowed if _state.get("engine_process") and threads >= 2 and threads == len(allowed) else None
 
 

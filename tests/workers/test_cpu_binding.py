@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,9 +45,13 @@ def test_auto_binds_only_an_engine_process_whose_threads_are_its_cpus(monkeypatc
 
 def test_a_cpu_list_binds_anywhere_but_needs_one_cpu_a_thread(monkeypatch):
     monkeypatch.setattr(cpu_binding, "_state", {})
-    assert cpu_binding.cpus_to_bind("1,0", 2) == [1, 0]
+    if len(CPUS) >= 2:
+        assert cpu_binding.cpus_to_bind(f"{CPUS[1]},{CPUS[0]}", 2) == [CPUS[1], CPUS[0]]
     with pytest.raises(ValueError, match="names 2 CPUs for 3 torch threads"):
         cpu_binding.cpus_to_bind("0-1", 3)
+    missing = max(CPUS) + 1
+    with pytest.raises(ValueError, match=re.escape(f"may run only on CPUs {CPUS}")):
+        cpu_binding.cpus_to_bind(f"{CPUS[0]},{missing}", 2)
 
 
 BIND_AND_LOOK = """
