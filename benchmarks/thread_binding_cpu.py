@@ -85,6 +85,8 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
 
 def main() -> None:
     args = parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("binding needs two CPUs or more: with one, 'auto' binds nothing and both settings are the same")
     prompt = [1000 + (i * 7919) % 20000 for i in range(args.prompt_tokens)]
     results, outputs = {}, {}
     for setting in SETTINGS:
