@@ -78,10 +78,13 @@ def release_current_thread() -> None:
 def unbound() -> Iterator[None]:
     """The calling thread on the process's CPUs for the block (threads started in it inherit them),
     then back on its own."""
+    cpus = _state.get("process_cpus")
+    if not cpus:  # nothing bound: nothing to undo
+        yield
+        return
     own = os.sched_getaffinity(0)
-    release_current_thread()
+    os.sched_setaffinity(0, cpus)
     try:
         yield
     finally:
-        if _state.get("process_cpus"):
-            os.sched_setaffinity(0, own)
+        os.sched_setaffinity(0, own)

@@ -13,11 +13,11 @@ from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput, TokenLogprobs
 from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
+from pagedserve.workers.cpu_binding import bind_step_threads
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.layers.small_batch_choice import choose_kernel_rows
 from pagedserve.workers.lora.context import lora_context
-from pagedserve.workers.cpu_binding import bind_step_threads
 from pagedserve.workers.lora.manager import WorkerLoRAManager
 from pagedserve.workers.step_inputs import CachedRequestState, StepInputs
 from pagedserve.workers.model_loader import load_model
