@@ -4,13 +4,16 @@ SIGTERM succeed; its process exits.
 
 Two replicas of the tiny Llama, the real openai client, greedy and seeded sampling. The sender
 behaves as Kubernetes and `ray stop` do: SIGTERM, then SIGKILL once a grace period is over. The
-grace here is measured in the requests' progress, not in seconds, so a loaded machine stretches it
-as it stretches the drain: it ends when a stream that was in flight at the SIGTERM has received
+grace here is measured in the requests' progress, so a loaded machine stretches it as it
+stretches the drain: it ends when a stream that was in flight at the SIGTERM has received
 GRACE_SHARE of its text since (hundreds of tokens: seconds here, against a drained replica's exit
-in well under one), or when every request in flight then has completed. (It once ended at the
-first completion: a stream near its end at the SIGTERM ended it within a second, and a CI run
-SIGKILLed a replica that was still exiting.) Ray alone (old main) keeps a SIGTERMed replica's
-streams running in place until then, so the SIGKILL cuts them, or finds the replica alive.
+in 0.1-0.4 s), or when every request in flight then has completed; and never before GRACE_MIN_S.
+(It once ended at the first completion: a stream near its end at the SIGTERM ended it within a
+second, and a CI run SIGKILLed a replica that was still exiting. Then progress alone ended it 1.1
+s after the SIGTERM on a CI run: what it counts is text the client has read, which on a busy
+machine can lag what the replicas sent.) Ray alone (old main) keeps a SIGTERMed replica's streams running in
+place and its process waiting on Serve's long polls (30-60 s), so the SIGKILL cuts the streams,
+or finds the replica alive.
 
 The streams must outlast the sender's wait for /metrics to show where they run (replicas report
 every second) by a wide margin on a loaded machine: a replica whose engine core runs in its own
@@ -41,6 +44,7 @@ NUM_STREAMS = 8
 NUM_WHOLE = 2  # non-streaming requests in flight beside the streams
 NUM_AFTER = 2  # requests sent right after the SIGTERM (a stream and a whole one)
 GRACE_SHARE = 0.4  # of a stream's text, received after the SIGTERM: the grace is over
+GRACE_MIN_S = 5.0  # but not sooner (Kubernetes' default grace is 30 s)
 PROMPTS = ["Once upon a time", "The capital of France is", "Hello, my name is", "In a hole in the ground"]
 
 
@@ -162,6 +166,8 @@ class Sender:
         self.seconds_alive = time.monotonic() - self.sigterm_time  # for the failure's message
 
     def is_grace_over(self, progress: dict[int, tuple[bool, int]]) -> bool:
+        if time.monotonic() - self.sigterm_time < GRACE_MIN_S:
+            return False
         if all(done for done, _ in progress.values()):
             return True
         return any(since >= GRACE_SHARE * self.lengths[i] for i, (_, since) in progress.items())
