@@ -24,15 +24,37 @@ from typing import Callable, Iterator
 REPO = Path(__file__).resolve().parent.parent
 
 
-def git(*args: str) -> str:
+# "COMMIT TREE" (`git rev-parse HEAD HEAD^{tree}` where the files were copied from): for a copy of the
+# files whose repository is not theirs, as on the lent GPU machine, where the working tree arrives
+# over a clone of the last landed commit (tools/gpu_check.sh). Believed only if the files are TREE.
+SOURCE_ENV = "PAGEDSERVE_SOURCE"
+
+
+def git(*args: str, env: dict[str, str] | None = None) -> str:
     """`git -C REPO ...`'s output, stripped; '' when git or the repository is missing."""
-    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, env={**os.environ, **(env or {})})
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def files_tree() -> str:
+    """The git tree of the files on disk, tracked or not (ignored ones aside): a commit's tree
+    exactly when they are that commit's files. Built in a scratch index, so the repository's own
+    index is untouched. '' without git."""
+    with tempfile.TemporaryDirectory() as scratch:
+        index = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
+        git("add", "--all", env=index)
+        return git("write-tree", env=index)
+
+
 def commit_info() -> dict:
-    """The commit measured, and whether the tree differed from it (a dirty figure is a scratch one)."""
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "is_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    """The commit measured, whether the tracked files differed from it (a dirty figure is a scratch
+    one), and the files' tree. With SOURCE_ENV set and the files exactly its tree, its commit."""
+    tree = files_tree()
+    source = os.environ.get(SOURCE_ENV, "").split()
+    if len(source) == 2 and tree and source[1] == tree:
+        return {"commit": source[0], "is_dirty": False, "tree": tree}
+    is_dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "is_dirty": is_dirty, "tree": tree}
 
 
 def cpu_info(cpuinfo: str | None = None) -> dict:

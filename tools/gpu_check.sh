@@ -15,6 +15,12 @@
 #          time goes, offline against HF)
 # The native CPU kernels are not built (PAGEDSERVE_NATIVE_KERNELS=0): nothing here runs them.
 #
+# On the lent GPU machine the files arrive over a clone of the last landed commit, not of the one
+# they are, so a result written there reads as that older commit, dirty. Name the commit they are:
+#   PAGEDSERVE_SOURCE="COMMIT TREE" bash tools/gpu_check.sh   # here: git rev-parse HEAD HEAD^{tree}
+# and the benchmark records COMMIT, clean, if the files there are exactly TREE
+# (benchmarks/common.py, commit_info); otherwise what git says there.
+#
 # Packages a GPU image may lack travel as wheels in .whl/ (git-ignored) and are installed under
 # /tmp/site first. For a Python 3.12 image without them, fetched where pip works:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -34,7 +40,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 
-{ nvidia-smi -L; $PY -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
+{ $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import common; print("files:", common.commit_info())'; nvidia-smi -L; $PY -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
 
 run_tests() {  # name, timeout, pytest args...
     local name=$1 limit=$2; shift 2

@@ -104,6 +104,26 @@ def repo(tmp_path, monkeypatch):
     return run
 
 
+def test_files_of_a_commit_over_an_older_head_record_that_commit_only_if_they_are_its_tree(repo, monkeypatch):
+    """The GPU machine's copy: the files of the newest commit over a clone whose HEAD is older
+    (files that commit added are untracked there). PAGEDSERVE_SOURCE names the commit the files
+    came from; it is believed only while the files on disk are exactly its tree."""
+    (common.REPO / "added.txt").write_text("a file the newest commit adds")
+    repo("add", "added.txt")
+    repo("commit", "-q", "-m", "4")
+    newest, newest_tree = common.git("rev-parse", "HEAD"), common.git("rev-parse", "HEAD^{tree}")
+    assert common.commit_info() == {"commit": newest, "is_dirty": False, "tree": newest_tree}
+    repo("reset", "-q", "--mixed", "HEAD~2")  # HEAD two commits back; the files stay the newest's
+    older = common.git("rev-parse", "HEAD")
+    assert common.commit_info() == {"commit": older, "is_dirty": True, "tree": newest_tree}
+    monkeypatch.setenv(common.SOURCE_ENV, f"{newest} {newest_tree}")
+    assert common.commit_info() == {"commit": newest, "is_dirty": False, "tree": newest_tree}
+    (common.REPO / "scratch.txt").write_text("a file the newest commit does not have")
+    info = common.commit_info()
+    assert info["commit"] == older and info["is_dirty"] and info["tree"] != newest_tree
+    assert common.git("write-tree") == common.git("rev-parse", "HEAD^{tree}")  # the repository's own index untouched
+
+
 def test_default_baseline_is_head_parent_on_main_and_merge_base_on_a_branch(repo):
     assert common.default_baseline() == common.git("rev-parse", "HEAD~")
     fork = common.git("rev-parse", "HEAD")
