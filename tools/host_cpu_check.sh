@@ -1,7 +1,8 @@
 #!/bin/bash
 # The native CPU kernels on the lent GPU machine's host CPU (an Intel Xeon with AMX there, 16
-# cores: a CPU no development machine has): build them, run the CPU tests that use them (each file
-# in a pytest of its own, so that a crash ends only that file), then `cpu_small_linear.py`, where
+# cores: a CPU no development machine has): build them, probe why a failed check crashed there
+# (tools/native_throw_probe.py), run the CPU tests that use them (each file in a pytest of its
+# own, so that a crash ends only that file), then `cpu_small_linear.py`, where
 # the small-batch kernel wins against oneDNN at 1, 4 and 16 threads on SmolLM2's shapes (random
 # weights made there). Logs and JSON under OUT (default ./host_cpu_out).
 #
@@ -23,6 +24,9 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 { lscpu | grep -E "Model name|^CPU\(s\)|Core|Socket|Flags" | cut -c1-400; g++ --version | head -1
   $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import common; print("files:", common.commit_info())'
   time $PY -c 'from pagedserve.kernels import native_build; print("native built:", native_build.load())'; } 2>&1 | tee "$OUT/host.txt"
+
+# Which build flag, if any, turns a failed check into a crash there (all variants, in parallel).
+timeout "${PROBE_S:-120}" $PY tools/native_throw_probe.py --output "$OUT/throw_probe.json" 2>&1 | grep -E "^ *[a-z_0-9]+: " | tee "$OUT/throw_probe.txt"
 
 # The files whose tests raise from a native op last: on that machine (torch 2.11.0+cu130, g++ 13.3)
 # the first such test died of a segmentation fault (benchmarks/results/README.md).

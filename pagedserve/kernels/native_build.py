@@ -50,7 +50,7 @@ def _try_load() -> bool:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         logger.info("native CPU kernels off (%s=0): using the pure-torch attention", ENV_SWITCH)
         return False
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning("no C++ compiler (g++) found: the CPU attention stays on its slower pure-torch path")
         return False
@@ -80,7 +80,13 @@ def _compiled_paths() -> frozenset[str]:
     return frozenset(paths)
 
 
-def _flags() -> list[str]:
+def find_compiler() -> str | None:
+    """$CXX, else g++, else c++ on the PATH; None without one."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def compile_flags() -> list[str]:
+    """g++'s flags for the kernels (tools/native_throw_probe.py builds with them too)."""
     torch_dir = Path(torch.__file__).parent
     includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -118,7 +124,7 @@ def _cpuinfo_field(name: str) -> str:
 
 
 def _build(compiler: str) -> Path:
-    flags = _flags()
+    flags = compile_flags()
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):  # the sources and the headers they include
         digest.update(path.name.encode() + path.read_bytes())

@@ -7,7 +7,11 @@ torch.compile); building it is part of what is tested."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from pagedserve.kernels import cpu_native, get_attention_backend, native_build, 
 from tests.kernels.paged_batch import FLOAT32_SLACK, PagedBatch, assert_rounded, half_ulp, make_batch, random_lengths
 from tests.kernels.paged_batch import check_against_reference as check_with
 
+REPO = Path(__file__).resolve().parents[2]
 CASES = {
     "decode_only": ([1, 1, 1, 1, 1], [70, 33, 32, 15, 0]),
     "prefill_only": ([17, 2, 40, 8], [0, 0, 0, 0]),
@@ -280,3 +285,17 @@ def test_the_kernel_reports_the_path_each_task_took(heads, head_dim, served):
     fast = tasks if served and {"avx512", "avx2"} & cpu_native.compiled_paths() else 0
     assert after["vector"] - before["vector"] == fast
     assert after["portable"] - before["portable"] == tasks - fast
+
+
+def test_the_throw_probe_sees_a_failed_check_raise_here(tmp_path):
+    """tools/native_throw_probe.py, kept for the next lent Intel host (where a failed check
+    crashed the process): on this machine a check's error, built with the kernels' own flags,
+    reaches Python as the RuntimeError it must be, and so does a plain C++ exception."""
+    report = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "native_throw_probe.py"), "--variants", "native_build,plain_exception", "--output", str(report)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = {r["variant"]: r["outcome"] for r in json.loads(report.read_text())["results"]}
+    assert outcomes == {"native_build": "raised", "plain_exception": "raised"}, done.stderr[-2000:]
