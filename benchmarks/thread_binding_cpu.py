@@ -3,11 +3,15 @@ default) against unbound ('nobind'), alone and beside a busy neighbour: another 
 session of its own, spinning on one core, as a build or a log shipper on the same machine would.
 
 `LLM` with the engine core in its own process (what `pagedserve serve` runs), on every CPU this
-process may use. Per setting and neighbour: the median time of a prompt with one output token
-(the prefill), and of the same prompt with `--decode-tokens` more, whose difference per token is
-a decode step of one row. Both settings produce the same tokens (checked).
+process may use. With `--tensor-parallel-size N`, the model on N Ray worker ranks of one torch
+thread each (Ray gives a rank one CPU), bound with a CPU list per rank ('0|1': rank i on the
+i-th CPU this process may use) against unbound. Per setting and neighbour: the median time of a
+prompt with one output token (the prefill), and of the same prompt with `--decode-tokens` more,
+whose difference per token is a decode step of one row. Both settings produce the same tokens
+(checked).
 
     python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --output benchmarks/results/thread_binding_cpu.json
+    python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --tensor-parallel-size 2 --output ...
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_report  # noqa: E402
 
-SETTINGS = ("nobind", "auto")
 
 
 def parse_args() -> argparse.Namespace:
@@ -33,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="requests timed per setting, neighbour and length")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="above 1: Ray worker ranks, one CPU each")
     parser.add_argument("--output", type=Path)
     return parser.parse_args()
 
@@ -60,9 +64,9 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
     from pagedserve import LLM
 
     threads = len(os.sched_getaffinity(0))
-    llm = LLM(args.model, dtype=args.dtype, engine_core_process=True, num_cpu_threads=threads, cpu_omp_threads_bind=setting,
-              max_model_len=args.prompt_tokens + args.decode_tokens + 16, kv_cache_memory_bytes=1 << 28,
-              enable_prefix_caching=False)  # every request computes its whole prompt  # fmt: skip
+    where = {"engine_core_process": True, "num_cpu_threads": threads} if args.tensor_parallel_size == 1 else {"tensor_parallel_size": args.tensor_parallel_size}
+    llm = LLM(args.model, dtype=args.dtype, cpu_omp_threads_bind=setting, max_model_len=args.prompt_tokens + args.decode_tokens + 16,
+              kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False, **where)  # every request computes its whole prompt  # fmt: skip
     try:
         timed(llm, prompt, args.decode_tokens + 1, 2)  # warm-up
         result = {}
@@ -85,21 +89,23 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
 
 def main() -> None:
     args = parse_args()
-    if len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("binding needs two CPUs or more: with one, 'auto' binds nothing and both settings are the same")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < max(2, args.tensor_parallel_size):
+        raise SystemExit("binding needs two CPUs or more, and one a rank: with one, 'auto' binds nothing and both settings are the same")
+    bound = "auto" if args.tensor_parallel_size == 1 else "|".join(str(cpu) for cpu in cpus[: args.tensor_parallel_size])
     prompt = [1000 + (i * 7919) % 20000 for i in range(args.prompt_tokens)]
     results, outputs = {}, {}
-    for setting in SETTINGS:
+    for setting in ("nobind", bound):
         results[setting], outputs[setting] = measure(args, setting, prompt)
-    if outputs["auto"] != outputs["nobind"]:
+    if outputs[bound] != outputs["nobind"]:
         raise SystemExit(f"the settings made different tokens: {outputs}")
     report = {
         "workload": {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                     "repeats": args.repeats, "threads": len(os.sched_getaffinity(0))},  # fmt: skip
+                     "repeats": args.repeats, "threads": len(cpus), "tensor_parallel_size": args.tensor_parallel_size},  # fmt: skip
         "median": results,
         "unbound_over_bound": {
-            name: {key: round(results["nobind"][name][key] / results["auto"][name][key], 2) for key in results["auto"][name]}
-            for name in results["auto"]
+            name: {key: round(results["nobind"][name][key] / results[bound][name][key], 2) for key in results[bound][name]}
+            for name in results[bound]
         },
     }
     write_report(report, args.output)

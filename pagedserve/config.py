@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedserve.cpu_list import parse_cpu_list
+from pagedserve.cpu_list import parse_rank_cpu_lists
 
 DEMO_MODEL = "demo"
 MODEL_HELP = (
@@ -103,7 +103,8 @@ class EngineConfig(BaseModel):
         description="the CPUs the model's torch threads run on, one thread to one CPU (vLLM's VLLM_CPU_OMP_THREADS_BIND): "
         "'auto' binds them in the engine core process when its threads are every CPU it may use (as `pagedserve serve` "
         "sets up), so that a busy process beside the engine cannot make them share a core; 'nobind'; or a CPU list "
-        "such as '0-3' naming one CPU per torch thread, bound wherever the model runs.",
+        "such as '0-3' naming one CPU per torch thread, bound wherever the model runs; with more than one rank "
+        "(tensor or pipeline parallel), one list per rank in rank order, '|' between them, as vLLM writes it: '0-3|4-7'.",
     )
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -167,9 +168,9 @@ class EngineConfig(BaseModel):
     def _auto_nobind_or_cpu_list(cls, value: str) -> str:
         if value not in ("auto", "nobind"):
             try:
-                parse_cpu_list(value)
+                parse_rank_cpu_lists(value)
             except ValueError as error:
-                raise ValueError(f"{error}; or 'auto', or 'nobind'") from None
+                raise ValueError(f"{error}; or one such list per rank, '|' between them; or 'auto', or 'nobind'") from None
         return value
 
     @field_validator("block_size")
@@ -201,6 +202,19 @@ class EngineConfig(BaseModel):
                     f"max_num_batched_tokens ({budget}) must be >= max_model_len ({limit}) "
                     "when enable_chunked_prefill is False: a whole prompt must fit in one step"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _one_cpu_list_per_rank(self) -> EngineConfig:
+        if self.cpu_omp_threads_bind in ("auto", "nobind"):
+            return self
+        lists = len(self.cpu_omp_threads_bind.split("|"))
+        if lists != self.world_size:
+            raise ValueError(
+                f"cpu_omp_threads_bind {self.cpu_omp_threads_bind!r} has {lists} CPU list(s) for tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size} ranks: give each rank its own list in rank order, '|' between "
+                "them ('0-3|4-7'; ranks on one machine need CPUs of their own), or 'auto', or 'nobind'"
+            )
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
-"""CPU lists as Linux and vLLM write them ('0-3,8'): the config validates one, the workers bind
-threads to one."""
+"""CPU lists as Linux and vLLM write them ('0-3,8'), and one per rank as vLLM's
+VLLM_CPU_OMP_THREADS_BIND writes them ('0-3|4-7'): the config validates them, the workers bind
+threads to them."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ def parse_cpu_list(text: str) -> list[int]:
     if len(set(cpus)) != len(cpus):
         raise ValueError(f"CPU list {text!r} names a CPU twice: each thread needs a CPU of its own")
     return cpus
+
+
+def parse_rank_cpu_lists(text: str) -> list[list[int]]:
+    """'0-3|4-7' -> [[0, 1, 2, 3], [4, 5, 6, 7]]: rank i's CPUs are the i-th list ('0-3' is one)."""
+    return [parse_cpu_list(part) for part in text.split("|")]

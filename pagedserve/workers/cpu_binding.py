@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pagedserve.cpu_list import parse_cpu_list
+from pagedserve.cpu_list import parse_rank_cpu_lists
 
 logger = logging.getLogger(__name__)
 
@@ -33,29 +33,35 @@ def mark_engine_process() -> None:
     _state["engine_process"] = True
 
 
-def cpus_to_bind(setting: str, threads: int) -> list[int] | None:
-    """The CPUs for the step thread's team of `threads`, or None to leave them unbound. 'auto'
-    binds only in the engine's own process and only where its threads are exactly the CPUs the
-    process may use (Ray's num_cpus, a cgroup's cpuset, taskset): then binding is a permutation,
-    and no other engine process can be counting on the same CPUs."""
+def cpus_to_bind(setting: str, threads: int, rank: int = 0) -> list[int] | None:
+    """The CPUs for the step thread's team of `threads` on rank `rank`, or None to leave them
+    unbound. A CPU list per rank ('0-3|4-7') gives rank i the i-th. 'auto' binds only in the
+    engine's own process and only where its threads are exactly the CPUs the process may use
+    (Ray's num_cpus, a cgroup's cpuset, taskset): then binding is a permutation, and no other
+    engine process can be counting on the same CPUs. (Ray's worker ranks never bind on 'auto':
+    Ray reserves their CPUs by count, not by id, so nothing says which are theirs.)"""
     if setting == NO_BINDING:
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if setting != "auto":
-        cpus = parse_cpu_list(setting)
+        lists = parse_rank_cpu_lists(setting)
+        if rank >= len(lists):
+            raise ValueError(f"cpu_omp_threads_bind {setting!r} has {len(lists)} CPU list(s): none for rank {rank}")
+        cpus = lists[rank]
         if len(cpus) != threads:
-            raise ValueError(f"cpu_omp_threads_bind {setting!r} names {len(cpus)} CPUs for {threads} torch threads: name one CPU a thread")
+            whose = f" of rank {rank}" if len(lists) > 1 else ""
+            raise ValueError(f"cpu_omp_threads_bind {setting!r} names {len(cpus)} CPUs for {threads} torch threads{whose}: name one CPU a thread")
         if not set(cpus) <= set(allowed):
             raise ValueError(f"cpu_omp_threads_bind {setting!r}: this process may run only on CPUs {allowed}")
         return cpus
     return allowed if _state.get("engine_process") and threads >= 2 and threads == len(allowed) else None
 
 
-def bind_step_threads(setting: str, threads: int) -> list[int] | None:
+def bind_step_threads(setting: str, threads: int, rank: int = 0) -> list[int] | None:
     """Binds the calling thread's torch team of `threads` (it included); the CPUs, or None."""
     from pagedserve.kernels import native_build
 
-    cpus = cpus_to_bind(setting, threads)
+    cpus = cpus_to_bind(setting, threads, rank)
     if cpus is None:
         return None
     if not native_build.load():
@@ -63,7 +69,7 @@ def bind_step_threads(setting: str, threads: int) -> list[int] | None:
         return None
     _state.setdefault("process_cpus", frozenset(os.sched_getaffinity(0)))
     torch.ops.pagedserve_cpu.bind_omp_threads(cpus)
-    logger.info("torch's %d threads bound to CPUs %s (cpu_omp_threads_bind %r)", threads, cpus, setting)
+    logger.info("torch's %d threads bound to CPUs %s (rank %d, cpu_omp_threads_bind %r)", threads, cpus, rank, setting)
     return cpus
 
 

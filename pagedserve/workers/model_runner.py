@@ -53,7 +53,7 @@ class ModelRunner:
         if self.step_threads is not None:  # the CPU: light steps are where few-row products run
             choose_kernel_rows(self.model, self.step_threads.light)
             # On the thread that will step the model (it built it): its team is the one to bind.
-            bind_step_threads(self.engine_config.cpu_omp_threads_bind, self.step_threads.full)
+            bind_step_threads(self.engine_config.cpu_omp_threads_bind, self.step_threads.full, self.parallel.rank)
         config = self.engine_config
         if config.enable_lora:
             self.lora_manager = WorkerLoRAManager(

@@ -70,6 +70,26 @@ def test_parallel_greedy_matches_hf(ray_cluster, parallel_models, model, tp, pp)
         llm.shutdown()
 
 
+def test_each_rank_binds_its_thread_to_its_own_cpu(ray_cluster, parallel_models):
+    """`cpu_omp_threads_bind` with a CPU list per rank ('0|1', vLLM's form): each TP rank's torch
+    thread (one a rank: Ray gives each one CPU) runs on its rank's CPU alone, every other thread
+    of the rank on every CPU; greedy output stays Hugging Face's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("two ranks on CPUs of their own need two CPUs")
+    folder, hf = parallel_models["qwen3"]
+    llm = LLM(str(folder), max_model_len=256, tensor_parallel_size=2, cpu_omp_threads_bind=f"{cpus[1]}|{cpus[0]}")
+    try:
+        assert_matches_hf(llm, hf)
+        pids = llm.llm_engine.engine_core.engine_core.executor.worker_pids()
+        masks = [[sorted(os.sched_getaffinity(int(task))) for task in os.listdir(f"/proc/{pid}/task")] for pid in pids]
+    finally:
+        llm.shutdown()
+    for rank, cpu in enumerate([cpus[1], cpus[0]]):
+        assert [mask for mask in masks[rank] if len(mask) == 1] == [[cpu]], masks[rank]
+        assert all(mask == cpus for mask in masks[rank] if len(mask) > 1), masks[rank]
+
+
 def long_batch(llm: LLM, num_prompts: int = 8, max_tokens: int = 40) -> list[str]:
     ids = []
     for i in range(num_prompts):

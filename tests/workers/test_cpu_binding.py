@@ -54,6 +54,37 @@ def test_a_cpu_list_binds_anywhere_but_needs_one_cpu_a_thread(monkeypatch):
         cpu_binding.cpus_to_bind(f"{CPUS[0]},{missing}", 2)
 
 
+def test_each_rank_takes_its_own_list(monkeypatch):
+    monkeypatch.setattr(cpu_binding, "_state", {})
+    first, last = CPUS[0], CPUS[-1]
+    assert cpu_binding.cpus_to_bind(f"{last}|{first}", 1, rank=0) == [last]
+    assert cpu_binding.cpus_to_bind(f"{last}|{first}", 1, rank=1) == [first]
+    with pytest.raises(ValueError, match="names 1 CPUs for 2 torch threads of rank 1"):
+        cpu_binding.cpus_to_bind(f"{last}|{first}", 2, rank=1)
+    with pytest.raises(ValueError, match="none for rank 2"):
+        cpu_binding.cpus_to_bind(f"{last}|{first}", 1, rank=2)
+
+
+@pytest.mark.parametrize("setting, tp, pp", [("0|1", 2, 1), ("0-1|2-3|4|5", 2, 2), ("0-3", 1, 1), ("auto", 4, 1), ("nobind", 2, 2)])
+def test_a_list_per_rank_is_one_per_rank(setting, tp, pp):
+    config = EngineConfig(model="demo", cpu_omp_threads_bind=setting, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert config.cpu_omp_threads_bind == setting
+
+
+@pytest.mark.parametrize(
+    "setting, tp, message",
+    [
+        ("0-1", 2, re.escape("has 1 CPU list(s) for tensor_parallel_size x pipeline_parallel_size = 2 ranks")),  # two ranks, one list
+        ("0|1", 1, re.escape("has 2 CPU list(s) for tensor_parallel_size x pipeline_parallel_size = 1 ranks")),
+        ("0|1-x", 2, "not a CPU list.*one such list per rank, '|' between them"),
+        ("0||1", 3, "not a CPU list"),
+    ],
+)
+def test_a_list_per_rank_that_does_not_fit_the_ranks_is_refused(setting, tp, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="demo", cpu_omp_threads_bind=setting, tensor_parallel_size=tp)
+
+
 BIND_AND_LOOK = """
 import json, os, sys, threading, torch
 from pagedserve.workers import cpu_binding
