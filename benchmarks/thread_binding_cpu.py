@@ -3,15 +3,15 @@ default) against unbound ('nobind'), alone and beside a busy neighbour: another 
 session of its own, spinning on one core, as a build or a log shipper on the same machine would.
 
 `LLM` with the engine core in its own process (what `pagedserve serve` runs), on every CPU this
-process may use. With `--tensor-parallel-size N`, the model on N Ray worker ranks of one torch
-thread each (Ray gives a rank one CPU), bound with a CPU list per rank ('0|1': rank i on the
-i-th CPU this process may use) against unbound. Per setting and neighbour: the median time of a
+process may use. With `--tensor-parallel-size` or `--pipeline-parallel-size` above 1, the model
+on Ray worker ranks of one torch thread each (Ray gives a rank one CPU), bound with a CPU list per
+rank ('0|1': rank i on the i-th CPU this process may use) against unbound. Per setting and neighbour: the median time of a
 prompt with one output token (the prefill), and of the same prompt with `--decode-tokens` more,
 whose difference per token is a decode step of one row. Both settings produce the same tokens
 (checked).
 
     python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --output benchmarks/results/thread_binding_cpu.json
-    python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --tensor-parallel-size 2 --output ...
+    python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --pipeline-parallel-size 2 --output ...
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="requests timed per setting, neighbour and length")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="above 1: Ray worker ranks, one CPU each")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="likewise")
     parser.add_argument("--output", type=Path)
     return parser.parse_args()
+
+
+def num_ranks(args: argparse.Namespace) -> int:
+    return args.tensor_parallel_size * args.pipeline_parallel_size
 
 
 def neighbour() -> subprocess.Popen:
@@ -64,7 +69,8 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
     from pagedserve import LLM
 
     threads = len(os.sched_getaffinity(0))
-    where = {"engine_core_process": True, "num_cpu_threads": threads} if args.tensor_parallel_size == 1 else {"tensor_parallel_size": args.tensor_parallel_size}
+    ranks = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size}
+    where = {"engine_core_process": True, "num_cpu_threads": threads} if num_ranks(args) == 1 else ranks
     llm = LLM(args.model, dtype=args.dtype, cpu_omp_threads_bind=setting, max_model_len=args.prompt_tokens + args.decode_tokens + 16,
               kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False, **where)  # every request computes its whole prompt  # fmt: skip
     try:
@@ -90,9 +96,9 @@ def measure(args: argparse.Namespace, setting: str, prompt: list[int]) -> tuple[
 def main() -> None:
     args = parse_args()
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < max(2, args.tensor_parallel_size):
+    if len(cpus) < max(2, num_ranks(args)):
         raise SystemExit("binding needs two CPUs or more, and one a rank: with one, 'auto' binds nothing and both settings are the same")
-    bound = "auto" if args.tensor_parallel_size == 1 else "|".join(str(cpu) for cpu in cpus[: args.tensor_parallel_size])
+    bound = "auto" if num_ranks(args) == 1 else "|".join(str(cpu) for cpu in cpus[: num_ranks(args)])
     prompt = [1000 + (i * 7919) % 20000 for i in range(args.prompt_tokens)]
     results, outputs = {}, {}
     for setting in ("nobind", bound):
@@ -101,7 +107,8 @@ def main() -> None:
         raise SystemExit(f"the settings made different tokens: {outputs}")
     report = {
         "workload": {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                     "repeats": args.repeats, "threads": len(cpus), "tensor_parallel_size": args.tensor_parallel_size},  # fmt: skip
+                     "repeats": args.repeats, "threads": len(cpus),
+                     "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size},  # fmt: skip
         "median": results,
         "unbound_over_bound": {
             name: {key: round(results["nobind"][name][key] / results[bound][name][key], 2) for key in results[bound][name]}
