@@ -5,10 +5,10 @@ session of its own, spinning on one core, as a build or a log shipper on the sam
 `LLM` with the engine core in its own process (what `pagedserve serve` runs), on every CPU this
 process may use. With `--tensor-parallel-size` or `--pipeline-parallel-size` above 1, the model
 on Ray worker ranks of one torch thread each (Ray gives a rank one CPU), bound with a CPU list per
-rank ('0|1': rank i on the i-th CPU this process may use) against unbound. Per setting and neighbour: the median time of a
-prompt with one output token (the prefill), and of the same prompt with `--decode-tokens` more,
-whose difference per token is a decode step of one row. Both settings produce the same tokens
-(checked).
+rank ('0|1': rank i on the i-th CPU this process may use) against unbound. Per setting and
+neighbour: the median time of a prompt with one output token (the prefill), and of the same
+prompt with `--decode-tokens` more, whose difference per token is a decode step of one row. Both
+settings produce the same tokens (checked).
 
     python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --output benchmarks/results/thread_binding_cpu.json
     python benchmarks/thread_binding_cpu.py --model /work/smollm2-hf --pipeline-parallel-size 2 --output ...
@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_report  # noqa: E402
-
 
 
 def parse_args() -> argparse.Namespace:
