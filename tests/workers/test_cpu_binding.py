@@ -76,7 +76,7 @@ def test_a_list_per_rank_is_one_per_rank(setting, tp, pp):
     [
         ("0-1", 2, re.escape("has 1 CPU list(s) for tensor_parallel_size x pipeline_parallel_size = 2 ranks")),  # two ranks, one list
         ("0|1", 1, re.escape("has 2 CPU list(s) for tensor_parallel_size x pipeline_parallel_size = 1 ranks")),
-        ("0|1-x", 2, "not a CPU list.*one such list per rank, '|' between them"),
+        ("0|1-x", 2, "not a CPU list.*" + re.escape("one such list per rank, '|' between them")),
         ("0||1", 3, "not a CPU list"),
     ],
 )
