@@ -208,7 +208,7 @@ class EngineConfig(BaseModel):
     def _one_cpu_list_per_rank(self) -> EngineConfig:
         if self.cpu_omp_threads_bind in ("auto", "nobind"):
             return self
-        lists = len(self.cpu_omp_threads_bind.split("|"))
+        lists = len(parse_rank_cpu_lists(self.cpu_omp_threads_bind))  # valid: the field's own check ran first
         if lists != self.world_size:
             raise ValueError(
                 f"cpu_omp_threads_bind {self.cpu_omp_threads_bind!r} has {lists} CPU list(s) for tensor_parallel_size x "
