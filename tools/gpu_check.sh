@@ -33,14 +33,9 @@ OUT=${OUT:-gpu_out}
 PARTS=${PARTS:-gpu wide bench}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PAGEDSERVE_NATIVE_KERNELS=0 PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+source "$(dirname "$0")/device_env.sh"
 
-{ $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import common; print("files:", common.commit_info())'; nvidia-smi -L; $PY -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
+{ files_line; nvidia-smi -L; $PY -c "import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
 
 run_tests() {  # name, timeout, pytest args...
     local name=$1 limit=$2; shift 2

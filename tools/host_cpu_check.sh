@@ -14,15 +14,10 @@ set -u
 OUT=${OUT:-host_cpu_out}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+source "$(dirname "$0")/device_env.sh"
 
 { lscpu | grep -E "Model name|^CPU\(s\)|Core|Socket|Flags" | cut -c1-400; g++ --version | head -1
-  $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import common; print("files:", common.commit_info())'
+  files_line
   time $PY -c 'from pagedserve.kernels import native_build; print("native built:", native_build.load())'; } 2>&1 | tee "$OUT/host.txt"
 
 # Which build flag, if any, turns a failed check into a crash there (all variants, in parallel).
