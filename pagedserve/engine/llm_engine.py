@@ -18,7 +18,7 @@ from typing import Any
 from pagedserve.config import EngineConfig, WorkerPlacement
 from pagedserve.engine.core.make_client import make_client
 from pagedserve.engine.core.messages import AbortRequests, AddRequest, RemoveLoRA, StopRequests
-from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import FinishReason, StepOutputs
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.metrics import EngineStats
 from pagedserve.engine.output_processor import OutputProcessor
@@ -150,12 +150,15 @@ class LLMEngine:
                 outputs += self.output_processor.finish_aborted(list(self.output_processor.states))
         return outputs
 
-    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+    def _process(self, news: StepOutputs) -> list[RequestOutput]:
         """Under the lock. Requests the core gave up (refused, or its workers lost) end as
-        aborted; the rest are detokenized, and those a stop string ended are stopped in the core."""
-        given_up = [o.req_id for o in core_outputs if o.finish_reason == FinishReason.ABORT and not o.new_token_ids]
+        aborted; the rest are detokenized, and those a stop string ended are stopped in the core.
+        (Only a full EngineCoreOutput can say a request was given up, never a plain row.)"""
+        given_up = [o.req_id for o in news.outputs if o.finish_reason == FinishReason.ABORT and not o.new_token_ids]
         outputs = self.output_processor.finish_aborted(given_up) if given_up else []
-        news = [o for o in core_outputs if not (o.finish_reason == FinishReason.ABORT and not o.new_token_ids)] if given_up else core_outputs
+        if given_up:
+            kept = [o for o in news.outputs if not (o.finish_reason == FinishReason.ABORT and not o.new_token_ids)]
+            news = StepOutputs(kept, news.token_req_ids, news.token_ids)
         step_outputs, stopped = self.output_processor.process_outputs(news)
         if stopped:
             self.engine_core.send(StopRequests(stopped))

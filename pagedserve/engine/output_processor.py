@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason, StepOutputs
 from pagedserve.engine.fan_out import child_ids, fan_out
 from pagedserve.engine.input_processor import ResumeState
 from pagedserve.engine.metrics import EngineStats
@@ -150,52 +150,64 @@ class OutputProcessor:
                     outputs.append(output)
         return outputs
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver, and the scheduler ids a stop string ended (to abort)."""
+    def process_outputs(self, news: StepOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to deliver, and the scheduler ids a stop string ended (to abort).
+        The plain rows take the same path as a full output without its extras."""
         now = time.monotonic()
         request_outputs, stopped_by_string = [], []
-        for out in outputs:
-            state = self.states.get(out.req_id)
-            if state is None:
-                continue
-            finish = self._update(state, out, now)
-            if finish is not None and finish.stop_string is not None and out.finish_reason is None:
-                stopped_by_string.append(out.req_id)
-            if finish is not None:
-                del self.states[out.req_id]
-                self.stats.record_finished(finish.reason, now - state.parent.metrics.arrival_time)
-            request_output = self._make_output(state, finish, out.num_cached_tokens)
-            if request_output is not None:
-                request_outputs.append(request_output)
+        states = self.states
+        for out in news.outputs:
+            state = states.get(out.req_id)
+            if state is not None:
+                self._take(state, out.req_id, out.new_token_ids, out, now, request_outputs, stopped_by_string)
+        for req_id, token_id in zip(news.token_req_ids, news.token_ids):
+            state = states.get(req_id)
+            if state is not None:
+                self._take(state, req_id, [token_id], None, now, request_outputs, stopped_by_string)
         return request_outputs, stopped_by_string
 
-    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> Finish | None:
-        self._record_token_times(state, out, now)
-        state.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and state.logprobs is not None:
+    def _take(
+        self, state: RequestState, req_id: str, new_token_ids: list[int], out: EngineCoreOutput | None, now: float,
+        request_outputs: list[RequestOutput], stopped_by_string: list[str],
+    ) -> None:
+        """One row's news: `out` None for a plain row (one token, not the first, nothing else)."""
+        finish = self._update(state, new_token_ids, out, now)
+        if finish is not None:
+            if finish.stop_string is not None and (out is None or out.finish_reason is None):
+                stopped_by_string.append(req_id)
+            del self.states[req_id]
+            self.stats.record_finished(finish.reason, now - state.parent.metrics.arrival_time)
+        request_output = self._make_output(state, finish, out.num_cached_tokens if out is not None else 0)
+        if request_output is not None:
+            request_outputs.append(request_output)
+
+    def _update(self, state: RequestState, new_token_ids: list[int], out: EngineCoreOutput | None, now: float) -> Finish | None:
+        self._record_token_times(state, len(new_token_ids), out.first_scheduled_time if out is not None else None, now)
+        state.token_ids.extend(new_token_ids)
+        if out is not None and out.new_logprobs is not None and state.logprobs is not None:
             self._append_logprobs(state, out.new_logprobs)
-        stop_terminated = out.finish_reason == FinishReason.STOP
-        stop_string = state.detokenizer.update(out.new_token_ids, stop_terminated)
+        finish_reason = out.finish_reason if out is not None else None
+        stop_string = state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
         if stop_string is not None:  # a stop string wins over a length cap in the same token
             return Finish(FinishReason.STOP, stop_string=stop_string)
-        if out.finish_reason is None:
+        if finish_reason is None:
             return None
-        return Finish(out.finish_reason, stop_token_id=out.stop_token_id, error=out.error)
+        return Finish(finish_reason, stop_token_id=out.stop_token_id, error=out.error)
 
-    def _record_token_times(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
+    def _record_token_times(self, state: RequestState, num_new: int, first_scheduled_time: float | None, now: float) -> None:
         metrics, stats = state.parent.metrics, self.stats
         if not state.token_ids:  # this child's first token: its prompt is processed
             stats.prompt_tokens_total += len(state.parent.prompt_token_ids)
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-                metrics.first_scheduled_time = out.first_scheduled_time
+                metrics.first_scheduled_time = first_scheduled_time
                 stats.time_to_first_token_seconds.observe(now - metrics.arrival_time)
-                if out.first_scheduled_time is not None:
-                    stats.request_queue_time_seconds.observe(out.first_scheduled_time - metrics.arrival_time)
+                if first_scheduled_time is not None:
+                    stats.request_queue_time_seconds.observe(first_scheduled_time - metrics.arrival_time)
         elif metrics.last_token_time is not None:
             stats.inter_token_latency_seconds.observe(now - metrics.last_token_time)
         metrics.last_token_time = now
-        stats.generation_tokens_total += len(out.new_token_ids)
+        stats.generation_tokens_total += num_new
 
     def _append_logprobs(self, state: RequestState, lp: TokenLogprobs) -> None:
         entry = {}

@@ -1,4 +1,5 @@
-"""OutputProcessor on its own, fed the scheduler's per-step news (`EngineCoreOutput`s) by hand, on
+"""OutputProcessor on its own, fed the scheduler's per-step news (`StepOutputs`: whole `EngineCoreOutput`s
+and plain one-token rows) by hand, on
 the session's real byte-level BPE tokenizer: n=3 completions merged as FINAL_ONLY or streamed as
 DELTA, a stop string split across tokens, and one child of three given up on."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason, StepOutputs
 from pagedserve.engine.fan_out import child_request_id
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -32,11 +33,14 @@ def run_children(processor: OutputProcessor, child_ids: list[str], streams: list
     every RequestOutput delivered."""
     delivered = []
     for position in range(max(map(len, streams))):
-        news = [
-            EngineCoreOutput(child_id, [tokens[position]], finish_reason=FinishReason.LENGTH if position == len(tokens) - 1 else None)
-            for child_id, tokens in zip(child_ids, streams)
-            if position < len(tokens)
-        ]
+        news = StepOutputs()
+        for child_id, tokens in zip(child_ids, streams):
+            if position == 0 or position == len(tokens) - 1:  # its first token, or its end: a whole output
+                finish_reason = FinishReason.LENGTH if position == len(tokens) - 1 else None
+                news.outputs.append(EngineCoreOutput(child_id, [tokens[position]], finish_reason=finish_reason))
+            elif position < len(tokens):  # as the scheduler sends most tokens: a plain row
+                news.token_req_ids.append(child_id)
+                news.token_ids.append(tokens[position])
         outputs, stopped = processor.process_outputs(news)
         assert stopped == []
         delivered.extend(outputs)
@@ -93,7 +97,7 @@ def test_a_stop_string_split_across_tokens_ends_the_request(tokenizer):
 
     deltas = []
     for position, token_id in enumerate(tokens):
-        outputs, stopped = processor.process_outputs([EngineCoreOutput(child_id, [token_id])])
+        outputs, stopped = processor.process_outputs(StepOutputs([], [child_id], [token_id]))
         (output,) = outputs
         deltas.append(output.outputs[0].text)
         completion = output.outputs[0]
@@ -113,7 +117,7 @@ def test_a_stop_token_id_is_reported_as_the_stop_reason(tokenizer):
     processor, (child_id,) = start(tokenizer, RequestOutputKind.FINAL_ONLY, n=1)
     tokens = encode(tokenizer, " Once upon")
     outputs, stopped = processor.process_outputs(
-        [EngineCoreOutput(child_id, tokens[:1]), EngineCoreOutput(child_id, tokens[1:2], finish_reason=FinishReason.STOP, stop_token_id=tokens[1])]
+        StepOutputs([EngineCoreOutput(child_id, tokens[:1]), EngineCoreOutput(child_id, tokens[1:2], finish_reason=FinishReason.STOP, stop_token_id=tokens[1])])
     )
     (output,) = outputs
     assert stopped == []  # the scheduler ended it itself
@@ -126,7 +130,7 @@ def test_one_child_given_up_the_others_finish(tokenizer, kind):
     processor, child_ids = start(tokenizer, kind)
     streams = [encode(tokenizer, text) for text in TEXTS]
     # Everyone gets a first token; then the engine gives up on child 1 alone.
-    first, _ = processor.process_outputs([EngineCoreOutput(c, s[:1]) for c, s in zip(child_ids, streams)])
+    first, _ = processor.process_outputs(StepOutputs([EngineCoreOutput(c, s[:1]) for c, s in zip(child_ids, streams)]))
     aborted = processor.finish_aborted([child_ids[1]])
     assert processor.finish_aborted([child_ids[1]]) == []  # once only
     rest = run_children(processor, [child_ids[0], child_ids[2]], [streams[0][1:], streams[2][1:]])
@@ -148,7 +152,7 @@ def test_one_child_given_up_the_others_finish(tokenizer, kind):
 def test_aborting_the_request_aborts_its_live_children_only(tokenizer):
     processor, child_ids = start(tokenizer, RequestOutputKind.DELTA)
     streams = [encode(tokenizer, text) for text in TEXTS]
-    processor.process_outputs([EngineCoreOutput(child_ids[0], streams[0][:1], finish_reason=FinishReason.LENGTH)])
+    processor.process_outputs(StepOutputs([EngineCoreOutput(child_ids[0], streams[0][:1], finish_reason=FinishReason.LENGTH)]))
     assert processor.abort_requests(["r", "unknown"]) == child_ids[1:]  # child 0 already ended
     assert processor.parents == {} and processor.states == {}
     assert processor.stats.request_success_total == {"length": 1, "abort": 2}

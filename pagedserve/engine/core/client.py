@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 
 from pagedserve.config import ModelConfig
 from pagedserve.engine.core.messages import AddRequest, CoreOutputs, SchedulerGauges
+from pagedserve.engine.engine_core_output import StepOutputs
 
 
 class EngineCoreClient(ABC):
@@ -25,7 +26,7 @@ class EngineCoreClient(ABC):
     def __init__(self) -> None:
         self._count_lock = threading.Lock()
         self._num_sent_children = 0  # children of every AddRequest sent
-        self._last = CoreOutputs([])  # the core's latest report: its gauges and children taken in
+        self._last = CoreOutputs(StepOutputs())  # the core's latest report: its gauges and children taken in
 
     def send(self, message: object) -> None:
         """Hand a message (AddRequest, AbortRequests, StopRequests) to the core, in order."""

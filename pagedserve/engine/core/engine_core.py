@@ -4,7 +4,7 @@ else (no tokenizer, no text). The front end (LLMEngine) reaches it only through 
 `step` directly) or in its own process (proc.py runs the same calls in a busy loop).
 
 A step is: schedule -> execute on the workers -> update the scheduler. The news of each request
-goes back as EngineCoreOutputs; detokenizing, stop strings and merging the n completions are the
+goes back as StepOutputs (a column of plain one-token rows, an EngineCoreOutput for the rest); detokenizing, stop strings and merging the n completions are the
 front end's. A stop string found there comes back as StopRequests: in its own process the core may
 have computed one more token of that request meanwhile, which the front end drops.
 
@@ -26,7 +26,7 @@ from pagedserve.engine.core.model_setup import fit_max_model_len
 from pagedserve.engine.core.request import Request, RequestStatus
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core.step_split import merge_outputs, split_step
-from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import EngineCoreOutput, FinishReason, StepOutputs
 from pagedserve.engine.fan_out import child_ids, fan_out
 from pagedserve.engine.structured_outputs import StructuredOutputManager
 from pagedserve.engine.tokenizer import load_tokenizer
@@ -148,20 +148,20 @@ class EngineCore:
 
     def step(self) -> CoreOutputs:
         """One step's news: the refused adds, then what the scheduler's step produced."""
-        outputs, self.pending_failures = self.pending_failures, []
-        if self.scheduler.has_unfinished_requests():
-            outputs += self._run_scheduler_step()
+        failures, self.pending_failures = self.pending_failures, []
+        news = self._run_scheduler_step() if self.scheduler.has_unfinished_requests() else StepOutputs()
+        news.outputs[:0] = failures
         self.is_report_due = False
-        return CoreOutputs(outputs, self.gauges(), self.num_added_children, self.dead_reason)
+        return CoreOutputs(news, self.gauges(), self.num_added_children, self.dead_reason)
 
     def idle_report(self) -> CoreOutputs | None:
         """The gauges once more when messages changed the scheduler and no step will report it."""
         if self.has_work() or not self.is_report_due:
             return None
         self.is_report_due = False
-        return CoreOutputs([], self.gauges(), self.num_added_children, self.dead_reason)
+        return CoreOutputs(StepOutputs(), self.gauges(), self.num_added_children, self.dead_reason)
 
-    def _run_scheduler_step(self) -> list[EngineCoreOutput]:
+    def _run_scheduler_step(self) -> StepOutputs:
         scheduler_output = self.scheduler.schedule()
         runner_output, refused = ModelRunnerOutput.empty(), []
         # An idle step still runs when requests ended, so the workers drop their state, and when
@@ -173,14 +173,14 @@ class EngineCore:
                 self._consecutive_failures = 0
             except WorkerGroupError as error:
                 # The step never happened: nothing of it reached the scheduler's request state.
-                return self._recover_from_worker_failure(error)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+                return StepOutputs(self._recover_from_worker_failure(error))
+        news = self.scheduler.update_from_output(scheduler_output, runner_output)
         if refused:  # they sampled nothing, so the update above did not touch them
             logger.error("requests %s are too large for the step channel to the workers: ended", refused[:5])
             self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ABORTED)
             error = "the request is too large to send to the workers (its prompt, or its sampling parameters)"
-            outputs += [EngineCoreOutput(c, [], finish_reason=FinishReason.ERROR, error=error) for c in refused]
-        return outputs
+            news.outputs += [EngineCoreOutput(c, [], finish_reason=FinishReason.ERROR, error=error) for c in refused]
+        return news
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
         """The step's output, and the requests it could not send to the workers: a step too large

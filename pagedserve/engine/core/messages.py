@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, WorkerPlacement
-from pagedserve.engine.engine_core_output import EngineCoreOutput
+from pagedserve.engine.engine_core_output import StepOutputs
 from pagedserve.engine.input_processor import ProcessedPrompt
 from pagedserve.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ class CoreOutputs:
     """One step's news, sent as soon as the step ends (the front end detokenizes it while the
     core runs the next step)."""
 
-    outputs: list[EngineCoreOutput]  # only requests with news: new tokens or an end
+    outputs: StepOutputs  # only requests with news: new tokens or an end
     gauges: SchedulerGauges = field(default_factory=SchedulerGauges)
     # Children the core has taken in so far (AddRequest x n): with the gauges' waiting count, the
     # front end knows how many requests wait, for admission control.

@@ -88,6 +88,9 @@ class Request:
         # the prompt tokens it will not compute (the scheduler refreshes the next one's every step).
         self.expected_hit_tokens = 0
         self.num_preemptions = 0
+        # Its first output has gone out, and it has no grammar and asks no logprobs: a step's news
+        # of it is then one token, a plain row (StepOutputs), unless the token ends it.
+        self.plain_news = False
         # Tokens the workers hold for this request; the next step sends all_token_ids[this:].
         self.num_tokens_on_workers = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, filled lazily

@@ -50,7 +50,7 @@ from collections import deque
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core.kv_reservation import KVReservation
 from pagedserve.engine.core.request import Request, RequestStatus
-from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, EngineCoreOutput, FinishReason
+from pagedserve.engine.engine_core_output import GRAMMAR_ERROR_PREFIX, EngineCoreOutput, FinishReason, StepOutputs
 from pagedserve.lora_request import LoRARequest
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.step_types.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -312,13 +312,14 @@ class Scheduler:
                 self.structured_outputs.wait_for_any([r.grammar for r in skipped if r.grammar is not None], 0.01)
         return output
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> StepOutputs:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         logprobs = runner_output.logprobs or {}
         if runner_output.ready_lora_ids is not None:
             self.ready_loras = runner_output.ready_lora_ids
         requests = self.requests
-        outputs, self._grammar_failures = self._grammar_failures, []
+        news, self._grammar_failures = StepOutputs(self._grammar_failures), []
+        outputs, plain_req_ids, plain_token_ids = news.outputs, news.token_req_ids, news.token_ids
         any_finished = False
         running_status = RequestStatus.RUNNING
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -330,19 +331,23 @@ class Scheduler:
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.output_token_ids.append(token_id)  # append_output_token_id, inlined: it runs for every row
-            request.all_token_ids.append(token_id)
+            all_token_ids = request.all_token_ids
+            all_token_ids.append(token_id)
+            # The common case, one test: a plain row (StepOutputs) short of its length cap, not a stop token.
+            if request.plain_news and len(all_token_ids) < request.length_cap and token_id not in request.stop_ids:
+                plain_req_ids.append(req_id)
+                plain_token_ids.append(token_id)
+                continue
+            grammar_status = self._advance_grammar(request, token_id) if request.grammar is not None else None
+            status = self._check_stop(request, token_id)
+            if grammar_status is not None and (status is None or grammar_status == RequestStatus.FINISHED_ABORTED):
+                status = grammar_status
             finish_reason = None
-            # The common case, one test: no grammar, short of its length cap, not a stop token.
-            if request.grammar is not None or len(request.all_token_ids) >= request.length_cap or token_id in request.stop_ids:
-                grammar_status = self._advance_grammar(request, token_id) if request.grammar is not None else None
-                status = self._check_stop(request, token_id)
-                if grammar_status is not None and (status is None or grammar_status == RequestStatus.FINISHED_ABORTED):
-                    status = grammar_status
-                if status is not None:
-                    request.status = status
-                    self._free(request)
-                    any_finished = True
-                    finish_reason = status.finish_reason
+            if status is not None:
+                request.status = status
+                self._free(request)
+                any_finished = True
+                finish_reason = status.finish_reason
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -354,9 +359,11 @@ class Scheduler:
                     first_scheduled_time=request.first_scheduled_time,
                 )
             )
+            # Its first token has gone out whole: without logprobs or a grammar, the rest can go as plain rows.
+            request.plain_news = request.grammar is None and request.sampling_params.logprobs is None
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-        return outputs
+        return news
 
     # ---- internals ------------------------------------------------------------------------
 

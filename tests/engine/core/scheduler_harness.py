@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedserve.engine.engine_core_output import EngineCoreOutput
+from pagedserve.engine.engine_core_output import StepOutputs
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.step_types.model_runner_output import ModelRunnerOutput
 from pagedserve.engine.core.request import Request, RequestStatus
@@ -111,7 +111,7 @@ class FakeWorker:
         return state.block_ids[pos // self.block_size], pos % self.block_size
 
 
-def step(sched: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, StepOutputs]:
     num_preemptions = sched.num_preemptions_total
     out = sched.schedule()
     check_invariants(sched, out, num_preemptions)

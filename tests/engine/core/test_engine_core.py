@@ -65,7 +65,7 @@ def test_abort_and_stop_end_children_by_id_and_report_once_idle(core, message):
     core.handle(message(["1_ended"]))
     assert not core.has_work()
     report = core.idle_report()  # the gauges once more, so the front end sees 0 running
-    assert report is not None and report.outputs == [] and report.gauges.num_requests_running == 0
+    assert report is not None and len(report.outputs) == 0 and report.gauges.num_requests_running == 0
     assert report.gauges.kv_cache_usage_perc == 0.0
     assert core.idle_report() is None
 

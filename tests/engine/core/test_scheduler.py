@@ -237,7 +237,7 @@ def test_prefix_hit_skips_computed_tokens():
     assert out.num_scheduled_tokens == {"b": 5}
     core = sched.update_from_output(out, worker.execute(out))
     assert new.block_ids[:2] == [0, 1]  # a's freed blocks, revived
-    assert core[0].num_cached_tokens == 8
+    assert core.outputs[0].num_cached_tokens == 8  # its first token: a whole output
     assert sched.kv_cache_manager.num_prefix_hits == 8
 
 
@@ -437,6 +437,21 @@ def test_max_model_len_caps_a_request():
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     request = _finish(prompt_len=10, max_model_len=12, max_tokens=None)  # defaults to the room left
     assert request.num_output_tokens == 2
+
+
+def test_tokens_after_the_first_go_as_plain_rows_until_the_end():
+    """StepOutputs: a request's first token goes out whole (it carries the prefix-cache count and
+    the first scheduled time), the ones after it as plain rows, its last (the end) whole again; a
+    request that asks for logprobs goes out whole every step."""
+    sched, worker = make_scheduler(), FakeWorker()
+    sched.add_request(make_request("a", prompt(0, 5), max_tokens=4))
+    sched.add_request(make_request("b", prompt(1, 5), max_tokens=4, logprobs=1))
+    steps = []
+    while sched.has_unfinished_requests():
+        _, news = step(sched, worker)
+        steps.append(([o.req_id for o in news.outputs], news.token_req_ids, news.token_ids))
+    assert steps == [(["a", "b"], [], []), (["b"], ["a"], [FILLER]), (["b"], ["a"], [FILLER]), (["a", "b"], [], [])]
+    assert_no_leak(sched)
 
 
 def test_finished_output_reports_reason_and_frees_blocks_at_once():
