@@ -85,6 +85,11 @@ class _Stream:
         return self.pending.popleft()
 
 
+def _fold_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream._fold(output)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, placement: WorkerPlacement | None = None):
         """`placement`: the bundles of a Ray Serve replica's group for the workers (see create_executor).
@@ -248,11 +253,19 @@ class AsyncLLM:
             self._stats_time = now
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each callers' event loop per step
+        (each call_soon_threadsafe writes to the loop's wake-up socket), not one per output."""
         with self._lock:
             streams = [(self._streams.get(o.request_id), o) for o in outputs]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for stream, output in streams:
             if stream is not None:
-                stream.put(output)
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_fold_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
