@@ -4,9 +4,10 @@ else (no tokenizer, no text). The front end (LLMEngine) reaches it only through 
 `step` directly) or in its own process (proc.py runs the same calls in a busy loop).
 
 A step is: schedule -> execute on the workers -> update the scheduler. The news of each request
-goes back as StepOutputs (a column of plain one-token rows, an EngineCoreOutput for the rest); detokenizing, stop strings and merging the n completions are the
-front end's. A stop string found there comes back as StopRequests: in its own process the core may
-have computed one more token of that request meanwhile, which the front end drops.
+goes back in a StepOutputs (plain one-token rows as columns, an EngineCoreOutput for the rest);
+detokenizing, stop strings and merging the n completions are the front end's. A stop string found
+there comes back as StopRequests: in its own process the core may have computed one more token of
+that request meanwhile, which the front end drops.
 
 Grammar state for structured outputs sits beside the scheduler here (StructuredOutputManager: the
 scheduler asks it for each request's allowed tokens and advances it with update_from_output).
