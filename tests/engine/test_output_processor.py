@@ -1,7 +1,7 @@
-"""OutputProcessor on its own, fed the scheduler's per-step news (`StepOutputs`: whole `EngineCoreOutput`s
-and plain one-token rows) by hand, on
-the session's real byte-level BPE tokenizer: n=3 completions merged as FINAL_ONLY or streamed as
-DELTA, a stop string split across tokens, and one child of three given up on."""
+"""OutputProcessor on its own, fed the scheduler's per-step news (`StepOutputs`: whole
+`EngineCoreOutput`s and plain one-token rows) by hand, on the session's real byte-level BPE
+tokenizer: n=3 completions merged as FINAL_ONLY or streamed as DELTA, a stop string split across
+tokens, and one child of three given up on."""
 
 from __future__ import annotations
 
