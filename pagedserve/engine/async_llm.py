@@ -253,7 +253,7 @@ class AsyncLLM:
             self._stats_time = now
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams: one wake-up of each callers' event loop per step
+        """A step's outputs to their streams: one wake-up of each caller's event loop per step
         (each call_soon_threadsafe writes to the loop's wake-up socket), not one per output."""
         with self._lock:
             streams = [(self._streams.get(o.request_id), o) for o in outputs]
