@@ -100,6 +100,7 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._stopping = False
         self._stats_time = 0.0
+        self._stats_idle = True  # the snapshot shows an idle engine: the next busy step replaces it
         build_error: list[BaseException] = []
         built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(placement, built, build_error), name="pagedserve-engine-loop", daemon=True)
@@ -237,7 +238,7 @@ class AsyncLLM:
             while not self._stopping:
                 outputs = self.engine.step()  # waits for the core's next step
                 self._deliver(outputs)
-                self._refresh_stats(force=not self.engine.has_unfinished_requests())  # idle: the final state
+                self._refresh_stats(idle=not self.engine.has_unfinished_requests())
                 if self.engine.is_dead:
                     raise EngineDeadError(self.engine.dead_reason)
         except BaseException as error:  # the loop must never die silently
@@ -245,12 +246,16 @@ class AsyncLLM:
                 logger.exception("engine loop failed")
                 self._fail(error)
 
-    def _refresh_stats(self, force: bool = False) -> None:
-        """Snapshots are taken here, on the loop thread, so they never see a half-done step."""
+    def _refresh_stats(self, idle: bool) -> None:
+        """Snapshots are taken here, on the loop thread, so they never see a half-done step. An
+        idle engine's is taken at once, and the first busy step after it replaces it at once: were
+        the interval counted from the idle one, an engine that empties more often than every
+        STATS_INTERVAL_S (short requests at light load) would report itself empty throughout."""
         now = time.monotonic()
-        if force or now - self._stats_time >= STATS_INTERVAL_S:
+        if idle or self._stats_idle or now - self._stats_time >= STATS_INTERVAL_S:
             self._stats = self.engine.stats_snapshot()
             self._stats_time = now
+            self._stats_idle = idle
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their streams: one wake-up of each caller's event loop per step

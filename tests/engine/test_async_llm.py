@@ -87,6 +87,27 @@ def test_leaving_early_aborts_the_request(async_llm):
     assert engine.stats.request_success_total.get("abort", 0) == num_aborted_before + 1
 
 
+def test_the_first_busy_step_after_an_idle_moment_shows_in_the_gauges(async_llm):
+    """An idle engine's snapshot is taken at once; were the next one due only STATS_INTERVAL_S
+    later, short requests at light load would keep the gauges empty throughout (a soak run read
+    a peak KV usage of 0 over 610 requests)."""
+
+    async def run():
+        await collect(async_llm, "Hello", SamplingParams(max_tokens=2), "before-idle")
+        wait_until(lambda: async_llm.stats().num_requests_running == 0, timeout=30, interval=0.005)
+        stream = async_llm.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True), "after-idle")
+        # The loop thread snapshots after delivering a step: by the second token, the first
+        # token's step (this request running, its blocks held) has been taken.
+        await anext(stream)
+        await anext(stream)
+        stats = async_llm.stats()
+        await stream.aclose()
+        return stats
+
+    stats = asyncio.run(run())
+    assert stats.num_requests_running == 1 and stats.kv_cache_usage_perc > 0, stats
+
+
 def test_bad_input_and_duplicate_ids(async_llm):
     async def run():
         with pytest.raises(ValueError, match="empty"):
