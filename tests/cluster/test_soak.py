@@ -34,9 +34,9 @@ def soak_url(serve_url, model_dirs):
 
 def test_short_soak_passes(soak_url, tmp_path):
     output = tmp_path / "soak.json"
-    # Samples every 0.5 s: each reads gauges the replica reports once a second, and requests of 24
-    # tokens from the tiny model are short enough that four samples 2 s apart all once read an
-    # empty engine (peak KV usage 0 in a full suite run, with three preemptions meanwhile).
+    # Samples every 0.5 s: each reads gauges the replica reports once a second. Two full suite runs
+    # once read a peak KV usage of 0: AsyncLLM's idle snapshot hid the busy steps after it
+    # (tests/engine/test_async_llm.py, the first busy step after an idle moment).
     argv = ["--url", soak_url, "--duration-s", "8", "--warmup-s", "0", "--sample-interval-s", "0.5", "--concurrency", "6"]
     assert soak.main([*argv, "--max-tokens", "24", "--seed", "3", "--output", str(output)]) == 0
     summary = json.loads(output.read_text())
