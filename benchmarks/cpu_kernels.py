@@ -20,6 +20,7 @@ Face folder): the whole forward pass of that model in bfloat16 and float32, eage
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from pagedserve.kernels import cpu_attention, cpu_native, reference  # noqa: E40
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.step_inputs import CachedRequestState  # noqa: E402
 from pagedserve.workers.sampler import Sampler  # noqa: E402
+from pagedserve.workers.huge_pages import zeros_in_huge_pages  # noqa: E402
 from pagedserve.workers.sampling_batch import build_sampling_batch  # noqa: E402
 from tests.kernels.paged_batch import make_batch  # noqa: E402
 
@@ -67,8 +69,12 @@ def native_from_memory(lens: list[int], dtype: torch.dtype, args: argparse.Names
     """The native decode attention per layer over `--layers` layers' caches in turn, as a forward
     reads them: each layer's contexts come from memory. One layer called again and again keeps
     much of its cache in the CPU's (256 rows of 128-192 tokens hold about 32 MB in bf16), which
-    hides the memory stalls."""
-    batches = [make_batch([1] * len(lens), [n - 1 for n in lens], 9, 3, head_dim=64, block_size=16, dtype=dtype, seed=layer) for layer in range(args.layers)]
+    hides the memory stalls. Each cache lies in 2 MiB pages, as the engine allocates it."""
+    batches = []
+    for layer in range(args.layers):
+        batch = make_batch([1] * len(lens), [n - 1 for n in lens], 9, 3, head_dim=64, block_size=16, dtype=dtype, seed=layer)
+        kv_cache = zeros_in_huge_pages(tuple(batch.kv_cache.shape), dtype)
+        batches.append(dataclasses.replace(batch, kv_cache=kv_cache.copy_(batch.kv_cache)))
 
     def every_layer() -> None:
         for b in batches:

@@ -15,6 +15,7 @@ from pagedserve.step_types.scheduler_output import SchedulerOutput
 from pagedserve.kernels import get_attention_backend
 from pagedserve.workers.cpu_binding import bind_step_threads
 from pagedserve.workers.cuda_graphs import CudaGraphRunner, graphs_enabled
+from pagedserve.workers.huge_pages import zeros_in_huge_pages
 from pagedserve.workers.input_batch import InputBatch
 from pagedserve.workers.layers.small_batch_choice import choose_kernel_rows
 from pagedserve.workers.lora.context import lora_context
@@ -77,7 +78,10 @@ class ModelRunner:
         entries point at block 0, and masked-out garbage must not be NaN."""
         for attn in self.model.attention_layers():
             shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.kv_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            if self.device.type == "cpu":  # the decode attention reads blocks from anywhere in it (huge_pages.py)
+                attn.kv_cache = zeros_in_huge_pages(shape, self.model_config.dtype)
+            else:
+                attn.kv_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
         # Graphs bake in the cache's addresses, so they are captured after it is allocated.
         if graphs_enabled(self.engine_config, self.backend, self.device):
             self.cuda_graphs = CudaGraphRunner.for_model(self.model, self.engine_config, self.model_config.max_model_len, self.device)
