@@ -1,12 +1,13 @@
 """The CPU's KV cache in 2 MiB pages where Linux allows them (transparent huge pages).
 
 The decode attention reads each sequence's blocks (2 KiB per KV head at block size 16) from
-anywhere in a layer's cache: in 4 KiB pages nearly every block is a page of its own, and a TLB
-miss besides a cache miss. Most machines run THP in `madvise` mode, so a tensor gets huge pages
-only if asked before its pages are first touched. Measured on a Zen 5 (two threads, 211 decode
-rows of 144-208 tokens, 30 layers' caches read in turn; scratch, the least of 9): 1.24 ->
-1.11 ms a layer. Where THP is off (`never`, or a kernel without it) the advice is refused and
-the cache is the same tensor in small pages.
+anywhere in a layer's cache: in 4 KiB pages nearly every block is a page of its own, likely a
+TLB miss besides the cache miss. Many distributions run THP in `madvise` mode (the development
+machines do), so a tensor gets huge pages only if it asks before its pages are first touched.
+Measured on a Zen 5 (two threads, 211 decode rows of 144-208 tokens, 30 layers' caches read in
+turn): scratch, the least of 9, 1.23-1.24 -> 1.11-1.15 ms a layer; `benchmarks/cpu_kernels.py`,
+the two commits in turns, 3-9%. Where THP is `never` the advice changes nothing, and a kernel
+without THP refuses it: the cache is then the same tensor in small pages.
 """
 
 from __future__ import annotations
