@@ -31,7 +31,9 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype)
-    buffer = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # not yet touched: no page is mapped
+    # Allocated at start-up, so fresh from the OS and not yet touched; a page something had
+    # touched before would keep its 4 KiB frames (until khugepaged merges them).
+    buffer = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE_BYTES
     length = (buffer.numel() - start) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if _madvise(buffer.data_ptr() + start, length, MADV_HUGEPAGE) != 0:
