@@ -31,8 +31,8 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype)
-    # Allocated at start-up, so fresh from the OS and not yet touched; a page something had
-    # touched before would keep its 4 KiB frames (until khugepaged merges them).
+    # The KV cache is allocated at start-up, most likely in memory fresh from the OS; a page that
+    # was touched before keeps its 4 KiB frames until khugepaged merges them.
     buffer = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE_BYTES
     length = (buffer.numel() - start) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
