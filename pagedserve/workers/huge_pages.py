@@ -2,8 +2,8 @@
 
 The decode attention reads each sequence's blocks (2 KiB per KV head at block size 16) from
 anywhere in a layer's cache: in 4 KiB pages nearly every block is a page of its own, likely a
-TLB miss besides the cache miss. Many distributions run THP in `madvise` mode (the development
-machines do), so a tensor gets huge pages only if it asks before its pages are first touched.
+TLB miss besides the cache miss. Many distributions run THP in `madvise` mode (the Zen 5 measured
+below did), so a tensor gets huge pages only if it asks before its pages are first touched.
 Measured on a Zen 5 (two threads, 211 decode rows of 144-208 tokens, 30 layers' caches read in
 turn): scratch, the least of 9, 1.23-1.24 -> 1.11-1.15 ms a layer; `benchmarks/cpu_kernels.py`,
 the two commits in turns, 3-9%. Where THP is `never` the advice changes nothing, and a kernel
