@@ -28,7 +28,7 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory starts on a 2 MiB boundary and was advised into huge pages
     before it was written. Returns an ordinary tensor (a view of a slightly larger buffer)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype)
     # The KV cache is allocated at start-up, most likely in memory fresh from the OS; a page that
