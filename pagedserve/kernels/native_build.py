@@ -67,14 +67,15 @@ def _try_load() -> bool:
 def compiled_paths() -> frozenset[str]:
     """The instruction-set paths the build compiled (`-march=native` decides): "avx512" (the
     attention's register path for head_dim 64 and 128), or "avx2" where the CPU has no AVX-512
-    (the same path eight lanes wide, and SiLU's), "avx512_bf16" (its bf16 dot products) and
+    (the same path eight lanes wide, and SiLU's) with "avx2_prefill_blocks" (prefill chunks in
+    blocks of rows), "avx512_bf16" (its bf16 dot products) and
     "small_linear_bf16" (the light-step linear). Empty when the kernels did not build."""
     return _compiled_paths() if load() else frozenset()
 
 
 def _compiled_paths() -> frozenset[str]:
     isa = torch.ops.pagedserve_cpu.attention_isa()
-    paths = {name for bit, name in ((1, "avx512"), (2, "avx512_bf16"), (4, "avx2")) if isa & bit}
+    paths = {name for bit, name in ((1, "avx512"), (2, "avx512_bf16"), (4, "avx2"), (8, "avx2_prefill_blocks")) if isa & bit}
     if torch.ops.pagedserve_cpu.small_linear_max_rows() > 0:
         paths.add("small_linear_bf16")
     return frozenset(paths)

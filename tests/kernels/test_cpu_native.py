@@ -27,24 +27,36 @@ CASES = {
     "chunked_prefill": ([16, 9], [48, 5]),
     "mixed": ([1, 1, 1, 12, 30, 3], [50, 17, 8, 0, 21, 64]),
 }
-BLOCK_ROWS = {group: 24 // group for group in range(1, 9)}  # cpu_prefill_attention.h: 24 query heads a block
+AVX512_BLOCK_ROWS = {group: 24 // group for group in range(1, 9)}  # cpu_prefill_attention.h: 24 query heads a block
+AVX2_BLOCK_ROWS = {group: max(1, 6 // group) for group in range(1, 7)}  # cpu_prefill_attention_avx2.h: 6; none past 6
 
 
+def block_rows(group: int, dtype: torch.dtype) -> int | None:
+    """The query rows of a prefill block for this shape and dtype in this machine's build, or None
+    where prefill chunks go row by row: bf16 with AVX-512 BF16, every dtype with AVX2 alone."""
+    paths = cpu_native.compiled_paths()
+    if "avx512_bf16" in paths:
+        return AVX512_BLOCK_ROWS[group] if dtype == torch.bfloat16 else None
+    return AVX2_BLOCK_ROWS.get(group) if "avx2_prefill_blocks" in paths else None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_blocks_against_reference(group, head_dim):
-    """bf16 prefill chunks of at least a block's rows go in blocks of rows (with AVX-512 BF16):
-    chunks over many key tiles, with and without cached context, a last block padded, beside
-    decodes and a chunk too short for a block; each value the float32 attention rounded once."""
-    rows = BLOCK_ROWS[group]
-    query_lens = [1, 1, 5 * rows + 3, rows, rows - 1 if rows > 1 else 2, 200]
+def test_prefill_blocks_against_reference(group, head_dim, dtype):
+    """Prefill chunks of at least a block's rows (two at the least) go in blocks of rows where this
+    build has a block kernel for the dtype and shape: chunks over many key tiles, with and without
+    cached context, a last block padded, beside decodes and a chunk too short for a block; each value
+    the float32 attention rounded once."""
+    blocked_rows = block_rows(group, dtype)
+    rows = blocked_rows or AVX512_BLOCK_ROWS[group]  # chunks around a block's size either way
+    query_lens = [1, 1, 5 * rows + 3, max(2, rows), max(2, rows - 1), 200]  # decodes first (make_batch)
     context_lens = [300, 7, 0, 45, 3, 333]
-    batch = make_batch(query_lens, context_lens, 2 * group, 2, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=group)
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, head_dim=head_dim, block_size=16, dtype=dtype, seed=group)
     before = cpu_native.attention_path_counts()
     check_against_reference(batch)
     after = cpu_native.attention_path_counts()
-    blocked = sum(q for q in query_lens if q >= rows and q > 1) * 2
-    expected = blocked if "avx512_bf16" in cpu_native.compiled_paths() else 0
+    expected = sum(q for q in query_lens if q >= max(2, rows)) * 2 if blocked_rows else 0
     assert after["prefill_blocks"] - before["prefill_blocks"] == expected
 
 

@@ -12,6 +12,8 @@
 // bf16 prefill chunks of at least a block's rows, on a CPU with AVX-512 BF16, go in blocks of
 // rows against packed tiles of keys instead (cpu_prefill_attention.h): a 1024-token prompt's
 // attention 2.1x faster on a Zen 4.
+// On a CPU with AVX2 and no AVX-512, prefill chunks of every dtype go in blocks in float32
+// (cpu_prefill_attention_avx2.h).
 //
 // Measured on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64) on one thread of a Zen 5, the
 // least of 60 calls, against the two-pass kernel that came before for every dtype: 128 bf16
@@ -27,6 +29,7 @@
 
 #include "vec_math.h"
 #include "cpu_prefill_attention.h"
+#include "cpu_prefill_attention_avx2.h"
 
 #include <algorithm>
 #include <atomic>
@@ -61,7 +64,8 @@ std::atomic<int64_t> tasks_on_portable_loop{0};
 std::atomic<int64_t> tasks_in_prefill_blocks{0};  // of the vector path's: those computed in blocks of rows
 
 // The instruction sets this build compiled paths for (-march=native decides): 1 the AVX-512
-// attention, 2 its AVX-512 BF16 dot products, 4 the AVX2 attention (built only without AVX-512).
+// attention, 2 its AVX-512 BF16 dot products, 4 the AVX2 attention (built only without AVX-512),
+// 8 its prefill chunks in blocks of rows (cpu_prefill_attention_avx2.h).
 // A CPU whose flags promise more was built wrong.
 int64_t attention_isa() {
   int64_t isa = 0;
@@ -72,6 +76,9 @@ int64_t attention_isa() {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   isa |= 2;
+#endif
+#if defined(PAGEDSERVE_PREFILL_BLOCKS_AVX2)
+  isa |= 8;
 #endif
   return isa;
 }
@@ -509,31 +516,54 @@ void paged_attention_impl(const at::Tensor& query, at::Tensor& out, const at::Te
 }
 
 #if defined(PAGEDSERVE_PREFILL_BLOCKS)
-// A prefill chunk taken in blocks of rows (cpu_prefill_attention.h).
+namespace blocks = pagedserve;  // bf16 with AVX-512 BF16 (cpu_prefill_attention.h)
+#define PAGEDSERVE_ANY_PREFILL_BLOCKS 1
+#elif defined(PAGEDSERVE_PREFILL_BLOCKS_AVX2)
+namespace blocks = pagedserve::avx2;  // every dtype, in float32, with AVX2 and no AVX-512 (cpu_prefill_attention_avx2.h)
+#define PAGEDSERVE_ANY_PREFILL_BLOCKS 1
+#endif
+
+template <typename T>
+using BlockKernelOf = void (*)(const T*, T*, int64_t, int64_t, int64_t, const float*, int64_t, float);
+
+// The kernel that takes a prefill chunk of this dtype and shape in blocks of rows, or nullptr.
+template <typename T>
+BlockKernelOf<T> block_kernel_for(int64_t group, int64_t head_dim) {
+#if defined(PAGEDSERVE_PREFILL_BLOCKS)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return pagedserve::block_kernel(group, head_dim);
+#elif defined(PAGEDSERVE_PREFILL_BLOCKS_AVX2)
+  return pagedserve::avx2::block_kernel<T>(group, head_dim);
+#endif
+  (void)group, (void)head_dim;
+  return nullptr;
+}
+
+// A prefill chunk taken in blocks of rows.
 struct BlockSeq {
   int64_t seq, first_token, query_len, seq_len;
 };
 
+#if defined(PAGEDSERVE_ANY_PREFILL_BLOCKS)
 // Packs each sequence's keys and values per KV head, then runs its blocks of rows, the threads
 // splitting the blocks by keys to read.
+template <typename T>
 void prefill_blocks(const at::Tensor& query, at::Tensor& out, const at::Tensor& kv_cache, const std::vector<BlockSeq>& seqs,
-                    const at::Tensor& block_tables, const Shape& s, float scale, pagedserve::BlockKernel kernel) {
-  using BF = c10::BFloat16;
-  const int64_t group = s.num_heads / s.num_kv_heads, R = pagedserve::block_rows(group), H = s.num_kv_heads;
+                    const at::Tensor& block_tables, const Shape& s, float scale, BlockKernelOf<T> kernel) {
+  const int64_t group = s.num_heads / s.num_kv_heads, R = blocks::block_rows(group), H = s.num_kv_heads;
   const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim, row_stride = s.num_heads * s.head_dim;
-  const BF* keys = kv_cache.data_ptr<BF>();
-  const BF* values = keys + H * head_stride;
+  const T* keys = kv_cache.data_ptr<T>();
+  const T* values = keys + H * head_stride;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   std::vector<int64_t> packed_at{0};  // per (sequence, KV head)
   for (const BlockSeq& q : seqs)
-    for (int64_t h = 0; h < H; ++h) packed_at.push_back(packed_at.back() + pagedserve::packed_floats(q.seq_len, s.head_dim));
+    for (int64_t h = 0; h < H; ++h) packed_at.push_back(packed_at.back() + blocks::packed_floats(q.seq_len, s.head_dim));
   const std::unique_ptr<float[]> packed(new float[packed_at.back()]);  // every float is written: no zeroing
   at::parallel_for(0, static_cast<int64_t>(seqs.size()) * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const BlockSeq& q = seqs[i / H];
       const int64_t h = i % H;
-      pagedserve::pack_head(keys + h * head_stride, values + h * head_stride, tables + q.seq * s.max_blocks, q.seq_len,
-                            s.block_size, s.head_dim, packed.get() + packed_at[i]);
+      blocks::pack_head(keys + h * head_stride, values + h * head_stride, tables + q.seq * s.max_blocks, q.seq_len,
+                        s.block_size, s.head_dim, packed.get() + packed_at[i]);
     }
   });
   struct Task {
@@ -553,7 +583,7 @@ void prefill_blocks(const at::Tensor& query, at::Tensor& out, const at::Tensor& 
     for (int64_t t = bounds[first_part]; t < bounds[end_part]; ++t) {
       const Task& task = tasks[t];
       const int64_t offset = task.first_row * row_stride + (task.packed % H) * group * s.head_dim;
-      kernel(query.data_ptr<BF>() + offset, out.data_ptr<BF>() + offset, row_stride, task.rows, task.first_context,
+      kernel(query.data_ptr<T>() + offset, out.data_ptr<T>() + offset, row_stride, task.rows, task.first_context,
              packed.get() + packed_at[task.packed], seqs[task.packed / H].seq_len, scale);
     }
   });
@@ -563,6 +593,35 @@ void prefill_blocks(const at::Tensor& query, at::Tensor& out, const at::Tensor& 
   tasks_in_prefill_blocks += computed;
 }
 #endif
+
+// Prefill chunks of at least a block's rows (two at the least) go in blocks where a block kernel
+// takes the dtype and shape; decodes and short chunks by row.
+template <typename T>
+void attention_of_dtype(const at::Tensor& query, at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                        const int64_t* qsl_p, const int64_t* lens_p, int64_t first_seq, int64_t end_seq, const Shape& s, float scale) {
+  const BlockKernelOf<T> kernel = block_kernel_for<T>(s.num_heads / s.num_kv_heads, s.head_dim);
+  std::vector<BlockSeq> block_seqs;
+  Rows rows;
+  for (int64_t i = first_seq; i < end_seq; ++i) {
+    const int64_t query_len = qsl_p[i + 1] - qsl_p[i];
+    TORCH_CHECK(lens_p[i] <= s.max_blocks * s.block_size, "a sequence is longer than its block table");
+#if defined(PAGEDSERVE_ANY_PREFILL_BLOCKS)
+    if (kernel != nullptr && query_len >= std::max<int64_t>(2, blocks::block_rows(s.num_heads / s.num_kv_heads))) {
+      block_seqs.push_back({i, qsl_p[i], query_len, lens_p[i]});
+      continue;
+    }
+#endif
+    for (int64_t j = 0; j < query_len; ++j) {
+      rows.token.push_back(qsl_p[i] + j);
+      rows.seq.push_back(i);
+      rows.context.push_back(lens_p[i] - query_len + j + 1);
+    }
+  }
+#if defined(PAGEDSERVE_ANY_PREFILL_BLOCKS)
+  if (!block_seqs.empty()) prefill_blocks<T>(query, out, kv_cache, block_seqs, block_tables, s, scale, kernel);
+#endif
+  if (!rows.token.empty()) paged_attention_impl<T>(query, out, kv_cache, rows, block_tables, s, scale);
+}
 
 // Writes the rows of sequences [first_seq, end_seq) of `out` ([num_tokens, num_heads, head_dim]).
 void paged_attention(const at::Tensor& query, at::Tensor out, const at::Tensor& kv_cache,
@@ -582,41 +641,15 @@ void paged_attention(const at::Tensor& query, at::Tensor out, const at::Tensor& 
   const int64_t* qsl_p = qsl.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-#if defined(PAGEDSERVE_PREFILL_BLOCKS)
-  // bf16 prefill chunks of at least a block's rows go in blocks; decodes and short chunks by row.
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const pagedserve::BlockKernel kernel = query.scalar_type() == at::kBFloat16 ? pagedserve::block_kernel(group, s.head_dim) : nullptr;
-  std::vector<BlockSeq> block_seqs;
-#endif
-  Rows rows;
-  for (int64_t i = first_seq; i < end_seq; ++i) {
-    const int64_t query_len = qsl_p[i + 1] - qsl_p[i];
-    TORCH_CHECK(lens_p[i] <= s.max_blocks * s.block_size, "a sequence is longer than its block table");
-#if defined(PAGEDSERVE_PREFILL_BLOCKS)
-    if (kernel != nullptr && query_len >= pagedserve::block_rows(group)) {
-      block_seqs.push_back({i, qsl_p[i], query_len, lens_p[i]});
-      continue;
-    }
-#endif
-    for (int64_t j = 0; j < query_len; ++j) {
-      rows.token.push_back(qsl_p[i] + j);
-      rows.seq.push_back(i);
-      rows.context.push_back(lens_p[i] - query_len + j + 1);
-    }
-  }
-#if defined(PAGEDSERVE_PREFILL_BLOCKS)
-  if (!block_seqs.empty()) prefill_blocks(query, out, kv_cache, block_seqs, block_tables, s, fscale, kernel);
-#endif
-  if (rows.token.empty()) return;
   switch (query.scalar_type()) {
     case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(query, out, kv_cache, rows, block_tables, s, fscale);
+      attention_of_dtype<c10::BFloat16>(query, out, kv_cache, block_tables, qsl_p, lens_p, first_seq, end_seq, s, fscale);
       break;
     case at::kHalf:
-      paged_attention_impl<c10::Half>(query, out, kv_cache, rows, block_tables, s, fscale);
+      attention_of_dtype<c10::Half>(query, out, kv_cache, block_tables, qsl_p, lens_p, first_seq, end_seq, s, fscale);
       break;
     case at::kFloat:
-      paged_attention_impl<float>(query, out, kv_cache, rows, block_tables, s, fscale);
+      attention_of_dtype<float>(query, out, kv_cache, block_tables, qsl_p, lens_p, first_seq, end_seq, s, fscale);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: dtype must be bfloat16, float16 or float32");
