@@ -531,11 +531,13 @@ template <typename T>
 BlockKernelOf<T> block_kernel_for(int64_t group, int64_t head_dim) {
 #if defined(PAGEDSERVE_PREFILL_BLOCKS)
   if constexpr (std::is_same_v<T, c10::BFloat16>) return pagedserve::block_kernel(group, head_dim);
+  return nullptr;
 #elif defined(PAGEDSERVE_PREFILL_BLOCKS_AVX2)
   return pagedserve::avx2::block_kernel<T>(group, head_dim);
-#endif
+#else
   (void)group, (void)head_dim;
   return nullptr;
+#endif
 }
 
 // A prefill chunk taken in blocks of rows.
