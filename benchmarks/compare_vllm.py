@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE))
 from bf16_check import closeness, load_hf_pair  # noqa: E402
 from common import machine_info, write_report  # noqa: E402
 from servers import VLLM_DEFAULTS_MAX_MODEL_LEN, Server, start_server  # noqa: E402
+import machine_noise  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,12 +152,17 @@ def env_pairs(pairs: list[str], flag: str) -> dict[str, str]:
     return env
 
 
-def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path) -> dict:
+def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path, noise: dict) -> dict:
+    """The engine's offline run in its own process; `noise[engine]` gets the machine's speed before
+    and after it and the run's CPU accounting (machine_noise; the run is this process's child)."""
     python = peer_python(args) if engine == "vllm" else sys.executable
     command = [python, str(HERE / "peers" / "offline_run.py"), "--engine", engine, "--model", args.model]
     command += ["--prompts", str(prompts_file), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
     print(f"[offline] {engine} ...", file=sys.stderr, flush=True)
+    probe, watch = machine_noise.speed_probe(), machine_noise.CpuWatch(0)
     done = subprocess.run(command, env=engine_env(engine, args), capture_output=True, text=True, timeout=3600)
+    cpu = machine_noise.warn_if_disturbed(watch.finish(), f"[offline] {engine}")
+    noise[engine] = {"speed_probe_gflops": [probe, machine_noise.speed_probe()], "cpu": cpu}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -210,8 +216,9 @@ def point_seed(point: str, args: argparse.Namespace) -> int:
     return load_points(args).index(point)
 
 
-def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path) -> dict:
-    """One `vllm bench serve` run against `server` at a load point; its result JSON's headline figures."""
+def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
+    """One `vllm bench serve` run against `server` at a load point; its result JSON's headline
+    figures. `noise[point]` gets the point's CPU accounting (machine_noise.CpuWatch)."""
     name = f"{server.engine}_load_{point}.json"
     command = [str(Path(args.peer_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
     command += ["--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model_name]
@@ -225,7 +232,9 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
     print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
+    watch = machine_noise.CpuWatch(server.session)
     done = subprocess.run(command, env=client_env(), capture_output=True, text=True, timeout=3600)
+    noise[point] = machine_noise.warn_if_disturbed(watch.finish(), f"[online] {server.engine} at {point}")
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())
@@ -237,10 +246,15 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     return {key: round(raw[key], 3) if isinstance(raw.get(key), float) else raw.get(key) for key in keys}
 
 
-def run_online(engine: str, args: argparse.Namespace, result_dir: Path) -> dict:
+def run_online(engine: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
+    """Each load point's figures; `noise` gets the machine's speed before the server starts and
+    each point's CPU accounting (machine_noise)."""
     python = sys.executable if engine == "pagedserve" else peer_python(args)
+    noise[engine] = {"speed_probe_gflops": [machine_noise.speed_probe()], "points": {}}
     with start_server(engine, python, args, engine_env(engine, args)) as server:
-        return {point: bench_serve(server, point, args, result_dir) for point in load_points(args)}
+        figures = {point: bench_serve(server, point, args, result_dir, noise[engine]["points"]) for point in load_points(args)}
+    noise[engine]["speed_probe_gflops"].append(machine_noise.speed_probe())
+    return figures
 
 
 def ratios(report: dict) -> dict:
@@ -295,12 +309,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         checks = {"check_prompts": check_prompts(args.model), "check_len": CHECK_LEN}
+        noise = report["machine_noise"] = {"offline": {}, "online": {}}
         if args.skip_offline:  # a short untimed run, for the output check alone
             prompts_file.write_text(json.dumps({"prompts": prompts[:4], "output_len": 4, **checks}))
-            report["output_check"] = check_outputs({engine: run_offline(engine, args, prompts_file) for engine in engines}, args)
+            untimed: dict = {}
+            report["output_check"] = check_outputs({engine: run_offline(engine, args, prompts_file, untimed) for engine in engines}, args)
         else:
             prompts_file.write_text(json.dumps({"prompts": prompts, "output_len": args.offline_output_len, **checks}))
-            report["offline"] = {engine: run_offline(engine, args, prompts_file) for engine in engines}
+            report["offline"] = {engine: run_offline(engine, args, prompts_file, noise["offline"]) for engine in engines}
             report["output_check"] = check_outputs(report["offline"], args)
         failed = [engine for engine, check in report["output_check"].items() if engine.startswith("pagedserve") and check.get("passed") is False]
         if failed:
@@ -309,7 +325,8 @@ def main() -> None:
             sys.exit(f"{', '.join(failed)}: outputs failed the bf16 check ({report['output_check']}); no speed figure is reported")
         if not args.skip_online:
             online = [engine for engine in engines if engine in ("pagedserve", "vllm")]
-            report["online"] = {engine: run_online(engine, args, Path(tmp)) for engine in online}
+            report["online"] = {engine: run_online(engine, args, Path(tmp), noise["online"]) for engine in online}
+        machine_noise.summarize(noise)
     report["ratio_pagedserve_over_vllm"] = ratios(report)
     report["load_after"] = os.getloadavg()
     write_report(report, args.output)

@@ -23,6 +23,7 @@ class Server:
     engine: str
     url: str
     model_name: str
+    session: int = 0  # the server's session id (its process's pid): every process it starts
 
 
 def free_port() -> int:
@@ -64,7 +65,7 @@ def start_server(engine: str, python: str, args, env: dict[str, str], timeout_s:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process, log.name, timeout_s)
-        yield Server(engine, url, MODEL_NAME)
+        yield Server(engine, url, MODEL_NAME, process.pid)
     finally:
         stop(process)
         print(f"[{engine}] server log: {log.name}", file=sys.stderr)

@@ -77,9 +77,11 @@ def test_each_load_point_gets_its_own_prompts_and_both_servers_the_same(tmp_path
         seen.clear()
         args = parsed(*extra)
         for engine in ("pagedserve", "vllm"):
-            server = compare_vllm.Server(engine, f"http://{engine}", "m")
+            server, noise = compare_vllm.Server(engine, f"http://{engine}", "m"), {}
             for point in compare_vllm.load_points(args):
-                compare_vllm.bench_serve(server, point, args, tmp_path)
+                compare_vllm.bench_serve(server, point, args, tmp_path, noise)
+            assert list(noise) == compare_vllm.load_points(args)  # each point's CPU accounting
+            assert all(set(point) >= {"wall_s", "others_cpu_s", "steal_s", "disturbed"} for point in noise.values())
         ours, theirs = seen["http://pagedserve"], seen["http://vllm"]
         assert ours == theirs and len(set(ours)) == len(ours) == len(compare_vllm.load_points(args))
 
@@ -103,4 +105,4 @@ def test_a_load_point_with_failed_requests_reports_no_figure(tmp_path, monkeypat
 
     monkeypatch.setattr(compare_vllm.subprocess, "run", fake_run)
     with pytest.raises(RuntimeError, match=r"vllm completed 0 of 200 requests at inf: \['HTTP 400: prompt too long'\]"):
-        compare_vllm.bench_serve(compare_vllm.Server("vllm", "http://vllm", "m"), "inf", parsed(), tmp_path)
+        compare_vllm.bench_serve(compare_vllm.Server("vllm", "http://vllm", "m"), "inf", parsed(), tmp_path, {})
