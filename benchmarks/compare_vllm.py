@@ -232,7 +232,7 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
     print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
-    watch = machine_noise.CpuWatch(server.session)
+    watch = machine_noise.CpuWatch(server.pid)
     done = subprocess.run(command, env=client_env(), capture_output=True, text=True, timeout=3600)
     noise[point] = machine_noise.warn_if_disturbed(watch.finish(), f"[online] {server.engine} at {point}")
     if done.returncode != 0:

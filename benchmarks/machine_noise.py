@@ -9,7 +9,7 @@ halves a point's throughput. So each result records both, and a ratio can be rea
   taken before each server starts (nothing of the benchmark running). Two engines' probes more
   than PROBE_DRIFT apart say the machine's speed moved between their runs.
 - `CpuWatch`: over one timed point, the machine's busy CPU seconds (/proc/stat), less those of the
-  processes the benchmark owns (the server's session, the client, the harness): what is left is
+  processes the benchmark owns (the server's process tree, the client, the harness): what is left is
   other processes' (`others_s`), and `steal_s` is what the hypervisor gave to other guests.
 """
 
@@ -84,12 +84,15 @@ def read_machine_cpu(stat: str | None = None) -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
-def session_cpu(session: int, proc: Path = Path("/proc")) -> float:
-    """CPU seconds (user and system) of the live processes in session `session` (none for 0 or
-    less: no server; the kernel's own threads are session 0)."""
-    if session <= 0:
+def tree_cpu(root: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user and system) of process `root` and its live descendants, with those of
+    the children they have waited for (so a child that exits within an interval still counts).
+    0 for a root of 0 or less: no server. By descent, not by session: pagedserve's engine core
+    and Ray's processes start sessions of their own."""
+    if root <= 0:
         return 0.0
-    total = 0
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -98,8 +101,14 @@ def session_cpu(session: int, proc: Path = Path("/proc")) -> float:
         except OSError:  # gone meanwhile
             continue
         fields = text[text.rindex(")") + 2 :].split()  # after the command, which may hold spaces
-        if int(fields[3]) == session:  # field 6 of stat: the session id
-            total += int(fields[11]) + int(fields[12])  # fields 14 and 15: utime, stime
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent
+        ticks[pid] = sum(int(v) for v in fields[11:15])  # fields 14-17: utime, stime, cutime, cstime
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += ticks.get(pid, 0)
+        stack += children.get(pid, [])
     return total / _TICK
 
 
@@ -114,11 +123,10 @@ def own_cpu() -> float:
 
 @dataclass
 class CpuWatch:
-    """Started before a point runs, `finish()`ed after it: the point's CPU accounting. `session`:
-    the server's session id (its process started with start_new_session); its processes must
-    live through the point (a process that exits takes its CPU seconds with it)."""
+    """Started before a point runs, `finish()`ed after it: the point's CPU accounting. `server`:
+    the server's pid (0: none, as for an offline run, which is this process's child)."""
 
-    session: int
+    server_pid: int
     wall: float = 0.0
     busy: float = 0.0
     steal: float = 0.0
@@ -128,12 +136,12 @@ class CpuWatch:
     def __post_init__(self) -> None:
         self.wall = time.monotonic()
         self.busy, self.steal = read_machine_cpu()
-        self.server, self.own = session_cpu(self.session), own_cpu()
+        self.server, self.own = tree_cpu(self.server_pid), own_cpu()
 
     def finish(self) -> dict:
         wall = time.monotonic() - self.wall
         busy, steal = read_machine_cpu()
-        server, own = session_cpu(self.session) - self.server, own_cpu() - self.own
+        server, own = tree_cpu(self.server_pid) - self.server, own_cpu() - self.own
         others = max(0.0, busy - self.busy - server - own)
         return {
             "wall_s": round(wall, 1),

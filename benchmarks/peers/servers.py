@@ -23,7 +23,7 @@ class Server:
     engine: str
     url: str
     model_name: str
-    session: int = 0  # the server's session id (its process's pid): every process it starts
+    pid: int = 0  # the server's process: every process it starts descends from it
 
 
 def free_port() -> int:

@@ -14,24 +14,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import machine_noise  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-# Burns `sys.argv[1]` CPU seconds, then stays alive (its CPU seconds are read while it lives).
-BURNER = "import sys, time\nend = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+# Burns `sys.argv[1]` CPU seconds, then stays alive a while (a live process's CPU seconds are read).
+BURNER = "import sys, time\nend = time.process_time() + float(sys.argv[1])\nwhile time.process_time() < end: pass\ntime.sleep(4)\n"
+# A server whose work runs in a child of its own session, as pagedserve's engine core does.
+SERVER = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {BURNER!r}, '1.0'], start_new_session=True).wait()\n"
 
 
-def fake_stat(pid: int, comm: str, session: int, utime: int, stime: int) -> str:
-    # /proc/PID/stat: pid (comm) state ppid pgrp session ... utime (14) stime (15) ...
-    return f"{pid} ({comm}) S 1 {pid} {session} 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n"
+def fake_stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0) -> str:
+    # /proc/PID/stat: pid (comm) state ppid pgrp session ... utime (14) stime (15) cutime cstime ...
+    return f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} {cutime} 0 20 0 1 0\n"
 
 
-def test_session_cpu_sums_the_sessions_processes_only(tmp_path):
-    for pid, comm, session, utime, stime in [(10, "ray::Serve Replica) x", 10, 300, 100), (11, "raylet", 10, 50, 50), (12, "other", 99, 900, 0)]:
+def test_tree_cpu_sums_a_process_and_its_descendants_only(tmp_path):
+    processes = [
+        (10, "pagedserve", 1, 300, 100, 40),  # 40: a child it waited for
+        (11, "raylet", 10, 50, 50, 0),
+        (12, "ray::Serve Replica) x", 11, 200, 0, 0),  # a command with a space and a parenthesis
+        (13, "other", 1, 900, 0, 0),
+    ]
+    for pid, comm, ppid, utime, stime, cutime in processes:
         (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, session, utime, stime))
+        (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, ppid, utime, stime, cutime))
     (tmp_path / "self").mkdir()  # not a pid: skipped
-    (tmp_path / "13").mkdir()  # exited between the listing and the read: skipped
-    assert machine_noise.session_cpu(10, tmp_path) == 500 / TICK
-    assert machine_noise.session_cpu(99, tmp_path) == 900 / TICK
-    assert machine_noise.session_cpu(0, tmp_path) == 0.0  # no server: not the kernel's threads
+    (tmp_path / "14").mkdir()  # exited between the listing and the read: skipped
+    assert machine_noise.tree_cpu(10, tmp_path) == 740 / TICK
+    assert machine_noise.tree_cpu(11, tmp_path) == 300 / TICK
+    assert machine_noise.tree_cpu(13, tmp_path) == 900 / TICK
+    assert machine_noise.tree_cpu(0, tmp_path) == 0.0  # no server
 
 
 def test_machine_cpu_counts_busy_and_steal_apart():
@@ -42,23 +51,23 @@ def test_machine_cpu_counts_busy_and_steal_apart():
 
 
 def test_a_point_beside_another_process_is_flagged_and_the_servers_cpu_is_not_counted_as_others():
-    server = subprocess.Popen([sys.executable, "-c", BURNER, "1.0"], start_new_session=True)
+    server = subprocess.Popen([sys.executable, "-c", SERVER], start_new_session=True)
     outsider = None
     try:
         watch = machine_noise.CpuWatch(server.pid)
         time.sleep(1.5)
         alone = watch.finish()
-        assert alone["server_cpu_s"] >= 0.8, alone  # the server's session burned its second
+        assert alone["server_cpu_s"] >= 0.8, alone  # its child, in a session of its own, burned a second
         # ... and it is not others' (which only the rest of the machine's background adds to)
         assert alone["others_cpu_s"] < alone["server_cpu_s"], alone
 
-        outsider = subprocess.Popen([sys.executable, "-c", BURNER, "1.0"])  # this session: not the server's
+        outsider = subprocess.Popen([sys.executable, "-c", BURNER, "1.0"])  # no descendant of the server
         watch = machine_noise.CpuWatch(server.pid)
         time.sleep(1.5)
         beside = watch.finish()
         assert beside["others_cpu_s"] >= 0.8 and beside["disturbed"], beside
     finally:
-        for process in (server, outsider):
+        for process in (server, outsider):  # the server's child ends by itself
             if process is not None:
                 process.kill()
                 process.wait()
