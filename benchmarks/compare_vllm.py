@@ -8,7 +8,10 @@ loopback ports) are each loaded by the same `vllm bench serve --backend openai -
 saturation), or at each of `--max-concurrency` (a concurrency sweep at rate inf). Other workloads:
 `--online-input-len 1024 --online-output-len 128` (long prompts), `--online-prefix-len 512` (every
 prompt starts with the same 512 tokens: the prefix cache's workload). Writes JSON (with the
-machine's CPU, its bf16 support and the load before and after) and a PNG of the sweep.
+machine's CPU, its bf16 support and the load before and after) and a PNG of the sweep. The JSON's
+`machine_noise` says how far to trust the ratios on a shared machine (machine_noise.py): the
+machine's speed probed before and after each engine, and each run's and load point's CPU seconds
+taken by other processes (a point past 5% of a core is `disturbed`, and said so on stderr).
 
 Outputs are checked before any figure is reported: each engine's offline process also completes
 eight natural prompts greedily, and in bf16 those completions are compared with Hugging Face's
@@ -247,8 +250,8 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
 
 
 def run_online(engine: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
-    """Each load point's figures; `noise` gets the machine's speed before the server starts and
-    each point's CPU accounting (machine_noise)."""
+    """Each load point's figures; `noise[engine]` gets the machine's speed before the server
+    starts and after it stops, and each point's CPU accounting (machine_noise)."""
     python = sys.executable if engine == "pagedserve" else peer_python(args)
     noise[engine] = {"speed_probe_gflops": [machine_noise.speed_probe()], "points": {}}
     with start_server(engine, python, args, engine_env(engine, args)) as server:

@@ -6,11 +6,13 @@ minutes apart. A process of someone else's (a test suite, a kernel build) on one
 halves a point's throughput. So each result records both, and a ratio can be read with them:
 
 - `speed_probe()`: the GFLOP/s of a fixed float32 matmul on every core, the best of a few passes,
-  taken before each server starts (nothing of the benchmark running). Two engines' probes more
-  than PROBE_DRIFT apart say the machine's speed moved between their runs.
+  taken before and after each engine's run (nothing of the benchmark running). Probes more than
+  PROBE_DRIFT apart say the machine's speed moved across the runs.
 - `CpuWatch`: over one timed point, the machine's busy CPU seconds (/proc/stat), less those of the
-  processes the benchmark owns (the server's process tree, the client, the harness): what is left is
-  other processes' (`others_s`), and `steal_s` is what the hypervisor gave to other guests.
+  processes the benchmark owns: the server's process tree (`server_cpu_s`), the harness and the
+  children it waited for (`client_cpu_s`: the load client, or an offline run, which has no
+  server). What is left is other processes' (`others_cpu_s`); `steal_s` is what the hypervisor
+  gave to other guests.
 """
 
 from __future__ import annotations
@@ -123,8 +125,8 @@ def own_cpu() -> float:
 
 @dataclass
 class CpuWatch:
-    """Started before a point runs, `finish()`ed after it: the point's CPU accounting. `server`:
-    the server's pid (0: none, as for an offline run, which is this process's child)."""
+    """Started before a point runs, `finish()`ed after it: the point's CPU accounting.
+    `server_pid`: the server's process (0: none, as for an offline run, this process's child)."""
 
     server_pid: int
     wall: float = 0.0

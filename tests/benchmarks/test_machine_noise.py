@@ -57,9 +57,8 @@ def test_a_point_beside_another_process_is_flagged_and_the_servers_cpu_is_not_co
         watch = machine_noise.CpuWatch(server.pid)
         time.sleep(1.5)
         alone = watch.finish()
-        assert alone["server_cpu_s"] >= 0.8, alone  # its child, in a session of its own, burned a second
-        # ... and it is not others' (which only the rest of the machine's background adds to)
-        assert alone["others_cpu_s"] < alone["server_cpu_s"], alone
+        # its child, in a session of its own, burned a second (and the interpreters' starts), once
+        assert 0.8 <= alone["server_cpu_s"] <= 1.4, alone
 
         outsider = subprocess.Popen([sys.executable, "-c", BURNER, "1.0"])  # no descendant of the server
         watch = machine_noise.CpuWatch(server.pid)
