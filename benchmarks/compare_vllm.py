@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -162,9 +161,9 @@ def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path, noise
     command = [python, str(HERE / "peers" / "offline_run.py"), "--engine", engine, "--model", args.model]
     command += ["--prompts", str(prompts_file), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
     print(f"[offline] {engine} ...", file=sys.stderr, flush=True)
-    probe, watch = machine_noise.speed_probe(), machine_noise.CpuWatch(0)
-    done = subprocess.run(command, env=engine_env(engine, args), capture_output=True, text=True, timeout=3600)
-    cpu = machine_noise.warn_if_disturbed(watch.finish(), f"[offline] {engine}")
+    probe = machine_noise.speed_probe()
+    done, cpu = machine_noise.run_watched(command, 0, timeout=3600, env=engine_env(engine, args))
+    cpu = machine_noise.warn_if_disturbed(cpu, f"[offline] {engine}")
     noise[engine] = {"speed_probe_gflops": [probe, machine_noise.speed_probe()], "cpu": cpu}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -221,7 +220,7 @@ def point_seed(point: str, args: argparse.Namespace) -> int:
 
 def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
     """One `vllm bench serve` run against `server` at a load point; its result JSON's headline
-    figures. `noise[point]` gets the point's CPU accounting (machine_noise.CpuWatch)."""
+    figures. `noise[point]` gets the point's CPU accounting (machine_noise.run_watched)."""
     name = f"{server.engine}_load_{point}.json"
     command = [str(Path(args.peer_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
     command += ["--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model_name]
@@ -235,9 +234,8 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
     print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
-    watch = machine_noise.CpuWatch(server.pid)
-    done = subprocess.run(command, env=client_env(), capture_output=True, text=True, timeout=3600)
-    noise[point] = machine_noise.warn_if_disturbed(watch.finish(), f"[online] {server.engine} at {point}")
+    done, cpu = machine_noise.run_watched(command, server.pid, timeout=3600, env=client_env())
+    noise[point] = machine_noise.warn_if_disturbed(cpu, f"[online] {server.engine} at {point}")
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())

@@ -8,26 +8,29 @@ halves a point's throughput. So each result records both, and a ratio can be rea
 - `speed_probe()`: the GFLOP/s of a fixed float32 matmul on every core, the best of a few passes,
   taken before and after each engine's run (nothing of the benchmark running). Probes more than
   PROBE_DRIFT apart say the machine's speed moved across the runs.
-- `CpuWatch`: over one timed point, the machine's busy CPU seconds (/proc/stat), less those of the
-  processes the benchmark owns: the server's process tree (`server_cpu_s`), the harness and the
-  children it waited for (`client_cpu_s`: the load client, or an offline run, which has no
-  server). What is left is other processes' (`others_cpu_s`); `steal_s` is what the hypervisor
-  gave to other guests.
+- `CpuWatch` (`run_watched`): over one timed run, the machine's busy CPU seconds (/proc/stat),
+  less those of the processes the benchmark owns: the server's process tree (`server_cpu_s`), the
+  client's (`client_cpu_s`: the load client, or an offline run, which has no server) and the
+  harness (`harness_cpu_s`). What is left is other processes' (`others_cpu_s`); `steal_s` is what
+  the hypervisor gave to other guests.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # Probes further apart than this (the larger over the smaller, less one) flag the run.
 PROBE_DRIFT = 0.10
 # Other processes' CPU above this share of one core over a point flag the point.
 OTHERS_CORE_SHARE = 0.05
+# How often a CpuWatch reads its process trees (a read of /proc costs a few ms of CPU).
+SAMPLE_S = 0.5
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -86,13 +89,10 @@ def read_machine_cpu(stat: str | None = None) -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
-def tree_cpu(root: int, proc: Path = Path("/proc")) -> float:
-    """CPU seconds (user and system) of process `root` and its live descendants, with those of
-    the children they have waited for (so a child that exits within an interval still counts).
-    0 for a root of 0 or less: no server. By descent, not by session: pagedserve's engine core
-    and Ray's processes start sessions of their own."""
-    if root <= 0:
-        return 0.0
+def tree_ticks(roots: list[int], proc: Path = Path("/proc")) -> dict[int, int]:
+    """pid -> its own CPU ticks (user and system) for each live process under `roots` (roots of 0
+    or less are none). By descent, not by session: pagedserve's engine core and Ray's processes
+    start sessions of their own."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
     for entry in proc.iterdir():
@@ -105,51 +105,88 @@ def tree_cpu(root: int, proc: Path = Path("/proc")) -> float:
         fields = text[text.rindex(")") + 2 :].split()  # after the command, which may hold spaces
         pid = int(entry.name)
         children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent
-        ticks[pid] = sum(int(v) for v in fields[11:15])  # fields 14-17: utime, stime, cutime, cstime
-    total, stack = 0, [root]
+        ticks[pid] = int(fields[11]) + int(fields[12])  # fields 14 and 15: utime, stime
+    found: dict[int, int] = {}
+    stack = [root for root in roots if root > 0]
     while stack:
         pid = stack.pop()
-        total += ticks.get(pid, 0)
-        stack += children.get(pid, [])
-    return total / _TICK
+        if pid in ticks and pid not in found:
+            found[pid] = ticks[pid]
+            stack += children.get(pid, [])
+    return found
 
 
-def own_cpu() -> float:
-    """This process's CPU seconds and those of its children it has waited for (the client)."""
-    seconds = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        seconds += usage.ru_utime + usage.ru_stime
-    return seconds
+def harness_cpu() -> float:
+    """This process's CPU seconds (its sampling thread's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
-@dataclass
 class CpuWatch:
-    """Started before a point runs, `finish()`ed after it: the point's CPU accounting.
-    `server_pid`: the server's process (0: none, as for an offline run, this process's child)."""
+    """Over one timed run (a load point, an offline run): the machine's busy CPU seconds, less the
+    benchmark's own. The benchmark owns the process trees under `server_pid` (0: none) and
+    `client_pid` (the load client, or the offline run), sampled every `sample_s` from a thread,
+    so a process that exits within the run counts up to its last sample (not every parent waits
+    for its children, whose CPU would then be lost), and this process."""
 
-    server_pid: int
-    wall: float = 0.0
-    busy: float = 0.0
-    steal: float = 0.0
-    server: float = 0.0
-    own: float = 0.0
-
-    def __post_init__(self) -> None:
+    def __init__(self, server_pid: int, client_pid: int = 0, sample_s: float = SAMPLE_S):
+        self.roots = {"server": server_pid, "client": client_pid}
+        self.first: dict[int, int] = {}  # pid -> its ticks when first seen (0 if born meanwhile)
+        self.last: dict[int, int] = {}
+        self.owner: dict[int, str] = {}
         self.wall = time.monotonic()
         self.busy, self.steal = read_machine_cpu()
-        self.server, self.own = tree_cpu(self.server_pid), own_cpu()
+        self.harness = harness_cpu()
+        self._sample(at_start=True)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_done, args=(sample_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, at_start: bool = False) -> None:
+        for owner, root in self.roots.items():
+            for pid, ticks in tree_ticks([root]).items():
+                if pid not in self.first:
+                    self.first[pid], self.owner[pid] = (ticks if at_start else 0), owner
+                self.last[pid] = ticks
+
+    def _sample_until_done(self, sample_s: float) -> None:
+        while not self._done.wait(sample_s):
+            self._sample()
 
     def finish(self) -> dict:
+        self._done.set()
+        self._thread.join()
+        self._sample()
         wall = time.monotonic() - self.wall
         busy, steal = read_machine_cpu()
-        server, own = tree_cpu(self.server_pid) - self.server, own_cpu() - self.own
-        others = max(0.0, busy - self.busy - server - own)
+        owned = {owner: 0 for owner in self.roots}
+        for pid, ticks in self.last.items():
+            owned[self.owner[pid]] += ticks - self.first[pid]
+        server, client = owned["server"] / _TICK, owned["client"] / _TICK
+        harness = harness_cpu() - self.harness
+        others = max(0.0, busy - self.busy - server - client - harness)
         return {
             "wall_s": round(wall, 1),
             "server_cpu_s": round(server, 1),
-            "client_cpu_s": round(own, 1),
+            "client_cpu_s": round(client, 1),
+            "harness_cpu_s": round(harness, 1),
             "others_cpu_s": round(others, 1),
             "steal_s": round(steal - self.steal, 1),
             "disturbed": others > OTHERS_CORE_SHARE * wall,
         }
+
+
+def run_watched(command: list[str], server_pid: int, timeout: float, **popen) -> tuple[subprocess.CompletedProcess, dict]:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen) with a
+    CpuWatch over it (the command as the client): its result and the CPU accounting."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    watch = CpuWatch(server_pid, process.pid)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    finally:
+        cpu = watch.finish()
+    return subprocess.CompletedProcess(command, process.returncode, out, err), cpu

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import compare_vllm  # noqa: E402
 
+QUIET = {"wall_s": 1.0, "server_cpu_s": 0.0, "client_cpu_s": 0.0, "harness_cpu_s": 0.0, "others_cpu_s": 0.0, "steal_s": 0.0, "disturbed": False}
+
 
 def parsed(*extra: str):
     sys_argv, sys.argv = sys.argv, ["compare_vllm.py", "--model", "M", *extra]
@@ -72,7 +74,11 @@ def test_each_load_point_gets_its_own_prompts_and_both_servers_the_same(tmp_path
         (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(compare_vllm.subprocess, "run", fake_run)
+    def watched(command, server_pid, timeout, **_):  # the real accounting around the fake client
+        watch = compare_vllm.machine_noise.CpuWatch(server_pid)
+        return fake_run(command), watch.finish()
+
+    monkeypatch.setattr(compare_vllm.machine_noise, "run_watched", watched)
     for extra in (("--request-rates", "inf,4,1"), ("--max-concurrency", "1,4,16,64")):
         seen.clear()
         args = parsed(*extra)
@@ -103,6 +109,6 @@ def test_a_load_point_with_failed_requests_reports_no_figure(tmp_path, monkeypat
         (tmp_path / command[command.index("--result-filename") + 1]).write_text(json.dumps(result))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(compare_vllm.subprocess, "run", fake_run)
+    monkeypatch.setattr(compare_vllm.machine_noise, "run_watched", lambda command, *_, **__: (fake_run(command), QUIET))
     with pytest.raises(RuntimeError, match=r"vllm completed 0 of 200 requests at inf: \['HTTP 400: prompt too long'\]"):
         compare_vllm.bench_serve(compare_vllm.Server("vllm", "http://vllm", "m"), "inf", parsed(), tmp_path, {})

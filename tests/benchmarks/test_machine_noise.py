@@ -20,27 +20,26 @@ BURNER = "import sys, time\nend = time.process_time() + float(sys.argv[1])\nwhil
 SERVER = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {BURNER!r}, '1.0'], start_new_session=True).wait()\n"
 
 
-def fake_stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0) -> str:
-    # /proc/PID/stat: pid (comm) state ppid pgrp session ... utime (14) stime (15) cutime cstime ...
-    return f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} {cutime} 0 20 0 1 0\n"
+def fake_stat(pid: int, comm: str, ppid: int, utime: int, stime: int) -> str:
+    # /proc/PID/stat: pid (comm) state ppid pgrp session ... utime (14) stime (15) ...
+    return f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n"
 
 
-def test_tree_cpu_sums_a_process_and_its_descendants_only(tmp_path):
+def test_tree_ticks_are_a_process_and_its_descendants_only(tmp_path):
     processes = [
-        (10, "pagedserve", 1, 300, 100, 40),  # 40: a child it waited for
-        (11, "raylet", 10, 50, 50, 0),
-        (12, "ray::Serve Replica) x", 11, 200, 0, 0),  # a command with a space and a parenthesis
-        (13, "other", 1, 900, 0, 0),
+        (10, "pagedserve", 1, 300, 100),
+        (11, "raylet", 10, 50, 50),
+        (12, "ray::Serve Replica) x", 11, 200, 0),  # a command with a space and a parenthesis
+        (13, "other", 1, 900, 0),
     ]
-    for pid, comm, ppid, utime, stime, cutime in processes:
+    for pid, comm, ppid, utime, stime in processes:
         (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, ppid, utime, stime, cutime))
+        (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, ppid, utime, stime))
     (tmp_path / "self").mkdir()  # not a pid: skipped
     (tmp_path / "14").mkdir()  # exited between the listing and the read: skipped
-    assert machine_noise.tree_cpu(10, tmp_path) == 740 / TICK
-    assert machine_noise.tree_cpu(11, tmp_path) == 300 / TICK
-    assert machine_noise.tree_cpu(13, tmp_path) == 900 / TICK
-    assert machine_noise.tree_cpu(0, tmp_path) == 0.0  # no server
+    assert machine_noise.tree_ticks([10], tmp_path) == {10: 400, 11: 100, 12: 200}
+    assert machine_noise.tree_ticks([11, 13], tmp_path) == {11: 100, 12: 200, 13: 900}
+    assert machine_noise.tree_ticks([0], tmp_path) == {}  # no server
 
 
 def test_machine_cpu_counts_busy_and_steal_apart():
@@ -70,6 +69,15 @@ def test_a_point_beside_another_process_is_flagged_and_the_servers_cpu_is_not_co
             if process is not None:
                 process.kill()
                 process.wait()
+
+
+def test_a_run_counts_its_childrens_cpu_though_they_exit_unwaited():
+    """An offline run whose engine process is killed, not waited for (vLLM's is so): its CPU is the
+    run's, not others', up to the watch's last sample of it."""
+    run = f"import os, subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', {BURNER!r}, '1.0'])\ntime.sleep(1.3)\nchild.kill()\nos._exit(0)\n"
+    done, cpu = machine_noise.run_watched([sys.executable, "-c", run], 0, timeout=30)
+    assert done.returncode == 0
+    assert cpu["client_cpu_s"] >= 0.5 and cpu["server_cpu_s"] == 0.0, cpu
 
 
 def test_the_summary_names_the_drift_and_the_disturbed_runs(capsys):
