@@ -29,7 +29,7 @@ from pathlib import Path
 PROBE_DRIFT = 0.10
 # Other processes' CPU above this share of one core over a point flag the point.
 OTHERS_CORE_SHARE = 0.05
-# How often a CpuWatch reads its process trees (a read of /proc costs a few ms of CPU).
+# How often a CpuWatch reads its process trees (each read about a millisecond of CPU).
 SAMPLE_S = 0.5
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -89,31 +89,47 @@ def read_machine_cpu(stat: str | None = None) -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
-def tree_ticks(roots: list[int], proc: Path = Path("/proc")) -> dict[int, int]:
-    """pid -> its own CPU ticks (user and system) for each live process under `roots` (roots of 0
-    or less are none). By descent, not by session: pagedserve's engine core and Ray's processes
-    start sessions of their own."""
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        fields = text[text.rindex(")") + 2 :].split()  # after the command, which may hold spaces
-        pid = int(entry.name)
-        children.setdefault(int(fields[1]), []).append(pid)  # field 4 of stat: the parent
-        ticks[pid] = int(fields[11]) + int(fields[12])  # fields 14 and 15: utime, stime
-    found: dict[int, int] = {}
-    stack = [root for root in roots if root > 0]
-    while stack:
-        pid = stack.pop()
-        if pid in ticks and pid not in found:
-            found[pid] = ticks[pid]
-            stack += children.get(pid, [])
-    return found
+def read_stat(path: Path) -> tuple[int, int] | None:
+    """(parent pid, own CPU ticks: user and system) from a /proc/PID/stat; None once it is gone."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after the command, which may hold spaces
+    return int(fields[1]), int(fields[11]) + int(fields[12])  # stat's fields 4, 14 and 15
+
+
+class ProcessTrees:
+    """The processes under some roots (0 or less: none) and their CPU ticks, read again at each
+    `sample()`. By descent, not by session: pagedserve's engine core and Ray's processes start
+    sessions of their own. A sample reads the stat of the trees' processes and of processes new
+    since the last one, so it costs about a millisecond, not a read of every process."""
+
+    def __init__(self, roots: dict[str, int], proc: Path = Path("/proc")):
+        self.roots = {pid: owner for owner, pid in roots.items() if pid > 0}
+        self.proc = proc
+        self.seen: set[int] = set()  # every live pid read once
+        self.owner: dict[int, str] = {}  # the trees' pids (they stay counted once gone)
+        self.ticks: dict[int, int] = {}  # a tree pid's ticks at its last sample
+        self.gone: set[int] = set()
+
+    def sample(self) -> None:
+        live = {int(name) for name in os.listdir(self.proc) if name.isdigit()}
+        self.seen &= live  # a pid gone may come back as another process
+        for pid in sorted(live - self.seen):  # parents before children, but for pid wrap-around
+            self.seen.add(pid)
+            stat = read_stat(self.proc / str(pid) / "stat")
+            if stat is not None and pid not in self.owner:
+                owner = self.roots.get(pid) or self.owner.get(stat[0])
+                if owner is not None:
+                    self.owner[pid] = owner
+        for pid in self.owner:
+            if pid not in live:
+                self.gone.add(pid)  # its number may come back as another process's
+            elif pid not in self.gone:
+                stat = read_stat(self.proc / str(pid) / "stat")
+                if stat is not None:
+                    self.ticks[pid] = stat[1]
 
 
 def harness_cpu() -> float:
@@ -129,39 +145,30 @@ class CpuWatch:
     so a process that exits within the run counts up to its last sample (not every parent waits
     for its children, whose CPU would then be lost), and this process."""
 
-    def __init__(self, server_pid: int, client_pid: int = 0, sample_s: float = SAMPLE_S):
-        self.roots = {"server": server_pid, "client": client_pid}
-        self.first: dict[int, int] = {}  # pid -> its ticks when first seen (0 if born meanwhile)
-        self.last: dict[int, int] = {}
-        self.owner: dict[int, str] = {}
+    def __init__(self, server_pid: int, client_pid: int = 0, sample_s: float = SAMPLE_S, proc: Path = Path("/proc")):
+        self.trees = ProcessTrees({"server": server_pid, "client": client_pid}, proc)
         self.wall = time.monotonic()
         self.busy, self.steal = read_machine_cpu()
         self.harness = harness_cpu()
-        self._sample(at_start=True)
+        self.trees.sample()
+        self.first = dict(self.trees.ticks)  # a process born later started at 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_done, args=(sample_s,), daemon=True)
         self._thread.start()
 
-    def _sample(self, at_start: bool = False) -> None:
-        for owner, root in self.roots.items():
-            for pid, ticks in tree_ticks([root]).items():
-                if pid not in self.first:
-                    self.first[pid], self.owner[pid] = (ticks if at_start else 0), owner
-                self.last[pid] = ticks
-
     def _sample_until_done(self, sample_s: float) -> None:
         while not self._done.wait(sample_s):
-            self._sample()
+            self.trees.sample()
 
     def finish(self) -> dict:
         self._done.set()
         self._thread.join()
-        self._sample()
+        self.trees.sample()
         wall = time.monotonic() - self.wall
         busy, steal = read_machine_cpu()
-        owned = {owner: 0 for owner in self.roots}
-        for pid, ticks in self.last.items():
-            owned[self.owner[pid]] += ticks - self.first[pid]
+        owned = {"server": 0, "client": 0}
+        for pid, ticks in self.trees.ticks.items():
+            owned[self.trees.owner[pid]] += ticks - self.first.get(pid, 0)
         server, client = owned["server"] / _TICK, owned["client"] / _TICK
         harness = harness_cpu() - self.harness
         others = max(0.0, busy - self.busy - server - client - harness)

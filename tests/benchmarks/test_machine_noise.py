@@ -25,21 +25,28 @@ def fake_stat(pid: int, comm: str, ppid: int, utime: int, stime: int) -> str:
     return f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n"
 
 
-def test_tree_ticks_are_a_process_and_its_descendants_only(tmp_path):
-    processes = [
-        (10, "pagedserve", 1, 300, 100),
-        (11, "raylet", 10, 50, 50),
-        (12, "ray::Serve Replica) x", 11, 200, 0),  # a command with a space and a parenthesis
-        (13, "other", 1, 900, 0),
-    ]
-    for pid, comm, ppid, utime, stime in processes:
-        (tmp_path / str(pid)).mkdir()
+def test_the_trees_are_their_roots_and_descendants_only(tmp_path):
+    def write(pid, comm, ppid, utime, stime):
+        (tmp_path / str(pid)).mkdir(exist_ok=True)
         (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, ppid, utime, stime))
+
+    write(10, "pagedserve", 1, 300, 100)
+    write(11, "raylet", 10, 50, 50)
+    write(12, "ray::Serve Replica) x", 11, 200, 0)  # a command with a space and a parenthesis
+    write(13, "other", 1, 900, 0)
+    write(20, "vllm bench", 1, 5, 0)
     (tmp_path / "self").mkdir()  # not a pid: skipped
     (tmp_path / "14").mkdir()  # exited between the listing and the read: skipped
-    assert machine_noise.tree_ticks([10], tmp_path) == {10: 400, 11: 100, 12: 200}
-    assert machine_noise.tree_ticks([11, 13], tmp_path) == {11: 100, 12: 200, 13: 900}
-    assert machine_noise.tree_ticks([0], tmp_path) == {}  # no server
+    trees = machine_noise.ProcessTrees({"server": 10, "client": 20}, tmp_path)
+    trees.sample()
+    assert trees.ticks == {10: 400, 11: 100, 12: 200, 20: 5}
+    assert trees.owner == {10: "server", 11: "server", 12: "server", 20: "client"}
+    write(12, "ray::Serve Replica) x", 11, 260, 0)  # it ran on
+    write(15, "engine core", 12, 7, 0)  # born since, under the server
+    (tmp_path / "11" / "stat").unlink()  # gone: its last reading stays counted
+    trees.sample()
+    assert trees.ticks == {10: 400, 11: 100, 12: 260, 15: 7, 20: 5}
+    assert machine_noise.ProcessTrees({"server": 0}, tmp_path).roots == {}  # no server
 
 
 def test_machine_cpu_counts_busy_and_steal_apart():
