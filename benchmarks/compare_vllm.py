@@ -162,8 +162,7 @@ def run_offline(engine: str, args: argparse.Namespace, prompts_file: Path, noise
     command += ["--prompts", str(prompts_file), "--dtype", args.dtype, "--kv-cache-gib", str(args.kv_cache_gib)]
     print(f"[offline] {engine} ...", file=sys.stderr, flush=True)
     probe = machine_noise.speed_probe()
-    done, cpu = machine_noise.run_watched(command, 0, timeout=3600, env=engine_env(engine, args))
-    cpu = machine_noise.warn_if_disturbed(cpu, f"[offline] {engine}")
+    done, cpu = machine_noise.run_watched(command, 0, timeout=3600, label=f"[offline] {engine}", env=engine_env(engine, args))
     noise[engine] = {"speed_probe_gflops": [probe, machine_noise.speed_probe()], "cpu": cpu}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -234,8 +233,8 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
     print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
-    done, cpu = machine_noise.run_watched(command, server.pid, timeout=3600, env=client_env())
-    noise[point] = machine_noise.warn_if_disturbed(cpu, f"[online] {server.engine} at {point}")
+    label = f"[online] {server.engine} at {point}"
+    done, noise[point] = machine_noise.run_watched(command, server.pid, timeout=3600, label=label, env=client_env())
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())

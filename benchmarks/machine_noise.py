@@ -183,9 +183,10 @@ class CpuWatch:
         }
 
 
-def run_watched(command: list[str], server_pid: int, timeout: float, **popen) -> tuple[subprocess.CompletedProcess, dict]:
+def run_watched(command: list[str], server_pid: int, timeout: float, label: str, **popen) -> tuple[subprocess.CompletedProcess, dict]:
     """subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen) with a
-    CpuWatch over it (the command as the client): its result and the CPU accounting."""
+    CpuWatch over it (the command as the client): its result and the CPU accounting, said on
+    stderr under `label` if the run was disturbed."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     watch = CpuWatch(server_pid, process.pid)
     try:
@@ -196,4 +197,4 @@ def run_watched(command: list[str], server_pid: int, timeout: float, **popen) ->
         raise
     finally:
         cpu = watch.finish()
-    return subprocess.CompletedProcess(command, process.returncode, out, err), cpu
+    return subprocess.CompletedProcess(command, process.returncode, out, err), warn_if_disturbed(cpu, label)

@@ -82,7 +82,7 @@ def test_a_run_counts_its_childrens_cpu_though_they_exit_unwaited():
     """An offline run whose engine process is killed, not waited for (vLLM's is so): its CPU is the
     run's, not others', up to the watch's last sample of it."""
     run = f"import os, subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', {BURNER!r}, '1.0'])\ntime.sleep(1.3)\nchild.kill()\nos._exit(0)\n"
-    done, cpu = machine_noise.run_watched([sys.executable, "-c", run], 0, timeout=30)
+    done, cpu = machine_noise.run_watched([sys.executable, "-c", run], 0, timeout=30, label="[offline] test")
     assert done.returncode == 0
     assert cpu["client_cpu_s"] >= 0.5 and cpu["server_cpu_s"] == 0.0, cpu
 
