@@ -11,7 +11,9 @@ prompt starts with the same 512 tokens: the prefix cache's workload). Writes JSO
 machine's CPU, its bf16 support and the load before and after) and a PNG of the sweep. The JSON's
 `machine_noise` says how far to trust the ratios on a shared machine (machine_noise.py): the
 machine's speed probed before and after each engine, and each run's and load point's CPU seconds
-taken by other processes (a point past 5% of a core is `disturbed`, and said so on stderr).
+taken by other processes (a point past 5% of a core is `disturbed`, and said so on stderr). With
+`--interleave ROUNDS` both servers stay up and take turns at each point, so that drift falls on
+both alike (run_online_interleaved).
 
 Outputs are checked before any figure is reported: each engine's offline process also completes
 eight natural prompts greedily, and in bf16 those completions are compared with Hugging Face's
@@ -29,6 +31,8 @@ Needs the peer venv: `bash benchmarks/peers/build_vllm_cpu.sh` (default /work/pe
         --engines pagedserve,pagedserve-compiled,vllm   # offline: eager (the default) vs compiled vs vLLM
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --num-prompts 128 \
         --max-concurrency 1,4,16,64,128   # where each server's latency knee is
+    python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --num-prompts 16 \
+        --max-concurrency 1 --interleave 4   # one in flight, the servers in turns: 64 requests each
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --skip-offline --server-defaults   # as users start them
     python benchmarks/compare_vllm.py --model /work/smollm2-hf --quick --vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
         --vllm-env LD_PRELOAD=/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/work/peers-venv/lib/libiomp5.so   # vLLM tuned
@@ -42,9 +46,11 @@ torch.compile) and `vllm`; online: `pagedserve` and `vllm`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -58,6 +64,8 @@ from bf16_check import closeness, load_hf_pair  # noqa: E402
 from common import machine_info, write_report  # noqa: E402
 from servers import VLLM_DEFAULTS_MAX_MODEL_LEN, Server, start_server  # noqa: E402
 import machine_noise  # noqa: E402
+
+ONLINE_ENGINES = ("pagedserve", "vllm")
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,6 +103,12 @@ def parse_args() -> argparse.Namespace:
         help="online: start each server with its own defaults (pagedserve: only --model and --dtype; vLLM: "
         "--max-model-len 2048 with VLLM_CPU_KVCACHE_SPACE=4) instead of the harness's shared context and KV sizes",
     )
+    parser.add_argument(
+        "--interleave", type=int, default=0, metavar="ROUNDS",
+        help="online: every server up at once, and at each load point the engines take turns, ROUNDS times each "
+        "(ABBA...), --num-prompts a turn; each figure is an engine's median over its turns. A machine whose speed "
+        "drifts within the run then moves both engines alike (see run_online_interleaved)",
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--quick", action="store_true", help="64 offline prompts; 40 online at inf and 4")
@@ -113,6 +127,9 @@ def parse_args() -> argparse.Namespace:
             f"an online request needs {context} tokens of context (--online-prefix-len + --online-input-len + "
             f"--online-output-len), more than the {limit} of {fix}"
         )
+    online_engines = [engine for engine in args.engines.split(",") if engine in ONLINE_ENGINES]
+    if args.interleave and (args.interleave < 2 or len(online_engines) < 2):
+        parser.error(f"--interleave {args.interleave}: two or more rounds, and two online engines (of {', '.join(ONLINE_ENGINES)}) to take turns")
     return args
 
 
@@ -121,6 +138,11 @@ def peer_python(args: argparse.Namespace) -> str:
     if not python.exists():
         sys.exit(f"no peer venv at {args.peer_venv}: run `bash benchmarks/peers/build_vllm_cpu.sh {args.peer_venv}`")
     return str(python)
+
+
+def engine_python(engine: str, args: argparse.Namespace) -> str:
+    """The interpreter an engine's server runs under: this one for pagedserve, the peer venv's for vLLM."""
+    return sys.executable if engine == "pagedserve" else peer_python(args)
 
 
 def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
@@ -217,30 +239,33 @@ def point_seed(point: str, args: argparse.Namespace) -> int:
     return load_points(args).index(point)
 
 
-def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
-    """One `vllm bench serve` run against `server` at a load point; its result JSON's headline
-    figures. `noise[point]` gets the point's CPU accounting (machine_noise.run_watched)."""
-    name = f"{server.engine}_load_{point}.json"
+def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir: Path, noise: dict, turn: int = 0) -> dict:
+    """One `vllm bench serve` run against `server` at a load point (`turn`: the round of an
+    --interleave run); its result JSON's headline figures. `noise[point]` (`noise["POINT round
+    N"]` when interleaved) gets the run's CPU accounting (machine_noise.run_watched)."""
+    run = f"{point} round {turn}" if args.interleave else point
+    name = f"{server.engine}_load_{run.replace(' ', '_')}.json"
     command = [str(Path(args.peer_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai"]
     command += ["--base-url", server.url, "--endpoint", "/v1/completions", "--model", server.model_name]
     command += ["--tokenizer", args.model, "--dataset-name", "random", "--random-input-len", str(args.online_input_len)]
     command += ["--random-output-len", str(args.online_output_len), "--random-prefix-len", str(args.online_prefix_len)]
-    command += ["--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", str(point_seed(point, args))]
+    seed = point_seed(point, args) + turn * len(load_points(args))  # each round its own prompts too
+    command += ["--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", str(seed)]
     if point.startswith("c"):
         command += ["--request-rate", "inf", "--max-concurrency", point[1:]]
     else:
         command += ["--request-rate", point]
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el"]
     command += ["--save-result", "--result-dir", str(result_dir), "--result-filename", name, "--disable-tqdm"]
-    print(f"[online] {server.engine} at {point} ...", file=sys.stderr, flush=True)
-    label = f"[online] {server.engine} at {point}"
-    done, noise[point] = machine_noise.run_watched(command, server.pid, timeout=3600, label=label, env=client_env())
+    label = f"[online] {server.engine} at {run}"
+    print(f"{label} ...", file=sys.stderr, flush=True)
+    done, noise[run] = machine_noise.run_watched(command, server.pid, timeout=3600, label=label, env=client_env())
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
     raw = json.loads((result_dir / name).read_text())
     if raw.get("completed") != args.num_prompts:
         errors = [error for error in raw.get("errors", []) if error][:3]
-        raise RuntimeError(f"{server.engine} completed {raw.get('completed')} of {args.num_prompts} requests at {point}: {errors}")
+        raise RuntimeError(f"{server.engine} completed {raw.get('completed')} of {args.num_prompts} requests at {run}: {errors}")
     keys = ("completed", "duration", "request_throughput", "output_throughput", "total_token_throughput")
     keys += ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
     return {key: round(raw[key], 3) if isinstance(raw.get(key), float) else raw.get(key) for key in keys}
@@ -249,12 +274,49 @@ def bench_serve(server: Server, point: str, args: argparse.Namespace, result_dir
 def run_online(engine: str, args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
     """Each load point's figures; `noise[engine]` gets the machine's speed before the server
     starts and after it stops, and each point's CPU accounting (machine_noise)."""
-    python = sys.executable if engine == "pagedserve" else peer_python(args)
     noise[engine] = {"speed_probe_gflops": [machine_noise.speed_probe()], "points": {}}
-    with start_server(engine, python, args, engine_env(engine, args)) as server:
+    with start_server(engine, engine_python(engine, args), args, engine_env(engine, args)) as server:
         figures = {point: bench_serve(server, point, args, result_dir, noise[engine]["points"]) for point in load_points(args)}
     noise[engine]["speed_probe_gflops"].append(machine_noise.speed_probe())
     return figures
+
+
+def run_online_interleaved(engines: list[str], args: argparse.Namespace, result_dir: Path, noise: dict) -> dict:
+    """--interleave: each engine's figures as run_online gives them, measured in turns. Every
+    server starts first and stays up; at each load point the engines run in turn, the order
+    reversed every other round (A B, B A, A B, ...), so a speed that drifts over the point falls on
+    each engine alike. Separate runs (each engine with the machine to itself) put one engine's
+    minutes against the other's, and this VM's speed moved 20-40% within one. The idle server
+    stays in memory; what CPU it takes counts as others' in each run's accounting (`disturbed`
+    past 5% of a core). The speed is probed before the servers start and after they stop."""
+    probes = [machine_noise.speed_probe()]
+    turns: dict = {engine: {point: [] for point in load_points(args)} for engine in engines}
+    points: dict = {engine: {} for engine in engines}
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(start_server(engine, engine_python(engine, args), args, engine_env(engine, args))) for engine in engines]
+        for point in load_points(args):
+            for turn in range(args.interleave):
+                for server in servers if turn % 2 == 0 else servers[::-1]:
+                    turns[server.engine][point].append(bench_serve(server, point, args, result_dir, points[server.engine], turn))
+    probes.append(machine_noise.speed_probe())
+    for engine in engines:
+        noise[engine] = {"speed_probe_gflops": probes, "points": points[engine]}
+    return {engine: {point: over_turns(runs) for point, runs in by_point.items()} for engine, by_point in turns.items()}
+
+
+def over_turns(runs: list[dict]) -> dict:
+    """One engine's turns at a load point as one point's figures: each the median over the turns
+    (completed requests and duration: the sums); the turns themselves under "turns"."""
+    figures: dict = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs]
+        if key in ("completed", "duration"):
+            figures[key] = round(sum(values), 3)
+        elif all(isinstance(value, (int, float)) for value in values):
+            figures[key] = round(statistics.median(values), 3)
+        else:
+            figures[key] = None
+    return {**figures, "turns": runs}
 
 
 def ratios(report: dict) -> dict:
@@ -268,11 +330,18 @@ def ratios(report: dict) -> dict:
     if "pagedserve" in online and "vllm" in online:
         for point, ours in online["pagedserve"].items():
             theirs = online["vllm"][point]
-            out[f"concurrency_{point[1:]}" if point.startswith("c") else f"rate_{point}"] = {
+            figures = {
                 "output_throughput": round(ours["output_throughput"] / theirs["output_throughput"], 3),
                 "median_ttft_ms_ours_over_theirs": round(ours["median_ttft_ms"] / theirs["median_ttft_ms"], 3),
                 "median_itl_ms_ours_over_theirs": round(ours["median_itl_ms"] / theirs["median_itl_ms"], 3),
             }
+            if "turns" in ours:  # interleaved: each round's own ratio too (the engines' turns side by side)
+                pairs = list(zip(ours["turns"], theirs["turns"]))
+                figures["by_round"] = {
+                    name: [round(a[key] / b[key], 3) for a, b in pairs]
+                    for name, key in (("output_throughput", "output_throughput"), ("median_ttft_ms", "median_ttft_ms"), ("median_itl_ms", "median_itl_ms"))
+                }
+            out[f"concurrency_{point[1:]}" if point.startswith("c") else f"rate_{point}"] = figures
     return out
 
 
@@ -324,8 +393,11 @@ def main() -> None:
             write_report(report, args.output)
             sys.exit(f"{', '.join(failed)}: outputs failed the bf16 check ({report['output_check']}); no speed figure is reported")
         if not args.skip_online:
-            online = [engine for engine in engines if engine in ("pagedserve", "vllm")]
-            report["online"] = {engine: run_online(engine, args, Path(tmp), noise["online"]) for engine in online}
+            online = [engine for engine in engines if engine in ONLINE_ENGINES]
+            if args.interleave:
+                report["online"] = run_online_interleaved(online, args, Path(tmp), noise["online"])
+            else:
+                report["online"] = {engine: run_online(engine, args, Path(tmp), noise["online"]) for engine in online}
         machine_noise.summarize(noise)
     report["ratio_pagedserve_over_vllm"] = ratios(report)
     report["load_after"] = os.getloadavg()
