@@ -116,13 +116,13 @@ class ProcessTrees:
     def sample(self) -> None:
         live = {int(name) for name in os.listdir(self.proc) if name.isdigit()}
         self.seen &= live  # a pid gone may come back as another process
-        for pid in sorted(live - self.seen):  # parents before children, but for pid wrap-around
+        parents = {}
+        for pid in live - self.seen:
             self.seen.add(pid)
             stat = read_stat(self.proc / str(pid) / "stat")
             if stat is not None and pid not in self.owner:
-                owner = self.roots.get(pid) or self.owner.get(stat[0])
-                if owner is not None:
-                    self.owner[pid] = owner
+                parents[pid] = stat[0]
+        self._adopt(parents)
         for pid in self.owner:
             if pid not in live:
                 self.gone.add(pid)  # its number may come back as another process's
@@ -130,6 +130,19 @@ class ProcessTrees:
                 stat = read_stat(self.proc / str(pid) / "stat")
                 if stat is not None:
                     self.ticks[pid] = stat[1]
+
+
+    def _adopt(self, parents: dict[int, int]) -> None:
+        """Owns each new pid (-> its parent) that is a root or whose parent is owned, until no more
+        are: not in pid order, since once the pids wrap around a child's pid can be the smaller
+        (a server's engine core, pid 312 under its replica's 32735, read as others' before)."""
+        while parents:
+            adopted = [pid for pid, parent in parents.items() if pid in self.roots or parent in self.owner]
+            if not adopted:
+                return
+            for pid in adopted:
+                parent = parents.pop(pid)
+                self.owner[pid] = self.roots.get(pid) or self.owner[parent]
 
 
 def harness_cpu() -> float:

@@ -49,6 +49,28 @@ def test_the_trees_are_their_roots_and_descendants_only(tmp_path):
     assert machine_noise.ProcessTrees({"server": 0}, tmp_path).roots == {}  # no server
 
 
+def test_a_child_whose_pid_wrapped_around_below_its_parents_is_in_the_tree(tmp_path):
+    """Once the pid counter wraps, a process's child can have the smaller pid (on a Zen 3 after
+    hours of tests: an engine core, pid 312, under its replica, pid 32735)."""
+    def write(pid, comm, ppid):
+        (tmp_path / str(pid)).mkdir(exist_ok=True)
+        (tmp_path / str(pid) / "stat").write_text(fake_stat(pid, comm, ppid, 10, 0))
+
+    write(32480, "pagedserve", 1)
+    write(32551, "raylet", 32480)
+    write(32735, "ray::ServeReplica", 32551)
+    write(312, "engine core", 32735)
+    write(5, "grandchild", 312)
+    write(300, "other", 1)
+    write(7, "other's child", 300)
+    trees = machine_noise.ProcessTrees({"server": 32480}, tmp_path)
+    trees.sample()
+    assert set(trees.owner) == {32480, 32551, 32735, 312, 5}
+    write(2, "born since, under the wrapped child", 312)
+    trees.sample()
+    assert set(trees.owner) == {32480, 32551, 32735, 312, 5, 2}
+
+
 def test_machine_cpu_counts_busy_and_steal_apart():
     stat = "cpu  100 20 30 5000 7 1 2 40 0 0\ncpu0 50 10 15 2500 3 0 1 20 0 0\n"
     assert machine_noise.read_machine_cpu(stat) == (153 / TICK, 40 / TICK)
