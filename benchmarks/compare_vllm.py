@@ -337,10 +337,8 @@ def ratios(report: dict) -> dict:
             }
             if "turns" in ours:  # interleaved: each round's own ratio too (the engines' turns side by side)
                 pairs = list(zip(ours["turns"], theirs["turns"]))
-                figures["by_round"] = {
-                    name: [round(a[key] / b[key], 3) for a, b in pairs]
-                    for name, key in (("output_throughput", "output_throughput"), ("median_ttft_ms", "median_ttft_ms"), ("median_itl_ms", "median_itl_ms"))
-                }
+                keys = ("output_throughput", "median_ttft_ms", "median_itl_ms")
+                figures["by_round"] = {key: [round(a[key] / b[key], 3) for a, b in pairs] for key in keys}
             out[f"concurrency_{point[1:]}" if point.startswith("c") else f"rate_{point}"] = figures
     return out
 

@@ -131,7 +131,6 @@ class ProcessTrees:
                 if stat is not None:
                     self.ticks[pid] = stat[1]
 
-
     def _adopt(self, parents: dict[int, int]) -> None:
         """Owns each new pid (-> its parent) that is a root or whose parent is owned, until no more
         are: not in pid order, since once the pids wrap around a child's pid can be the smaller
