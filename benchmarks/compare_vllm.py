@@ -127,8 +127,7 @@ def parse_args() -> argparse.Namespace:
             f"an online request needs {context} tokens of context (--online-prefix-len + --online-input-len + "
             f"--online-output-len), more than the {limit} of {fix}"
         )
-    online_engines = [engine for engine in args.engines.split(",") if engine in ONLINE_ENGINES]
-    if args.interleave and (args.interleave < 2 or len(online_engines) < 2):
+    if args.interleave and (args.interleave < 2 or len(online_engines(args)) < 2):
         parser.error(f"--interleave {args.interleave}: two or more rounds, and two online engines (of {', '.join(ONLINE_ENGINES)}) to take turns")
     return args
 
@@ -138,6 +137,11 @@ def peer_python(args: argparse.Namespace) -> str:
     if not python.exists():
         sys.exit(f"no peer venv at {args.peer_venv}: run `bash benchmarks/peers/build_vllm_cpu.sh {args.peer_venv}`")
     return str(python)
+
+
+def online_engines(args: argparse.Namespace) -> list[str]:
+    """The engines of --engines that serve (the others run offline only)."""
+    return [engine for engine in args.engines.split(",") if engine in ONLINE_ENGINES]
 
 
 def engine_python(engine: str, args: argparse.Namespace) -> str:
@@ -391,7 +395,7 @@ def main() -> None:
             write_report(report, args.output)
             sys.exit(f"{', '.join(failed)}: outputs failed the bf16 check ({report['output_check']}); no speed figure is reported")
         if not args.skip_online:
-            online = [engine for engine in engines if engine in ONLINE_ENGINES]
+            online = online_engines(args)
             if args.interleave:
                 report["online"] = run_online_interleaved(online, args, Path(tmp), noise["online"])
             else:
