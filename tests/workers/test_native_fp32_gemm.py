@@ -4,7 +4,8 @@ and 16-column tiles, K split in blocks, a bias, strided rows); the same bits how
 whatever a row is batched with and whichever thread computes it; the choice of GEMM as the
 variable and the CPU say; and the whole model's forward on it, float32 and widened bfloat16. The
 kernel runs on every x86 CPU the tests run on (AVX2 is older than AVX-512), so these force it
-where `auto` would pick oneDNN."""
+where `auto` would pick oneDNN. Its two epilogues (a residual added in the store, an MLP's
+SiLU-and-multiply inside the GEMM) give the bits of the separate ops."""
 
 from __future__ import annotations
 
@@ -127,6 +128,64 @@ def test_sharing_panels_among_threads_changes_no_bit(threads):
                 assert torch.equal(out, alone), (rows, out_features, in_features, k_block)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 97, 200])
+@pytest.mark.parametrize("out_features,in_features,k_block", [(576, 576, 2048), (40, 100, 7), (1, 3, 2048)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_residual_added_in_the_store_is_the_separate_add(rows, out_features, in_features, k_block, with_bias):
+    """`residual + (x W^T + bias)` to the bit, added once after the last block of K (a residual
+    added to every block's partial sums would show), in the partial last panel too."""
+    generator = torch.Generator().manual_seed(rows * 31 + out_features + k_block)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    residual = torch.randn(rows, out_features, generator=generator)
+    out = torch.full((rows, out_features), float("nan"))
+    torch.ops.pagedserve_cpu.fp32_gemm(out, x, torch.ops.pagedserve_cpu.fp32_gemm_pack(weight), bias, k_block, residual)
+    assert torch.equal(out, residual + _gemm(x, weight, bias, k_block))
+
+
+def _silu_mul(x: torch.Tensor, weight: torch.Tensor, k_block: int = cpu_gemm.NATIVE_K_BLOCK) -> torch.Tensor:
+    out = torch.full((x.shape[0], weight.shape[0] // 2), float("nan"))
+    torch.ops.pagedserve_cpu.fp32_gemm_silu_mul(out, x, torch.ops.pagedserve_cpu.fp32_gemm_pack(weight), k_block)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 97, 200])
+@pytest.mark.parametrize("intermediate,in_features,k_block", [(1536, 576, 2048), (48, 100, 7), (16, 3, 2048)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_fused_silu_and_multiply_is_the_two_ops(rows, intermediate, in_features, k_block, threads):
+    """The gate and up products and SiLU-and-multiply of an MLP's merged weight in one op: the
+    bits of the GEMM then `silu_and_mul`, over blocks of rows and of K, whichever thread takes a
+    pair of panels (every output starts as NaN: a pair no thread took would show)."""
+    from pagedserve.kernels import cpu_native
+
+    generator = torch.Generator().manual_seed(rows + intermediate + threads)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(2 * intermediate, in_features, generator=generator) * 0.3
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        expected = cpu_native.silu_and_mul(_gemm(x, weight, None, k_block))
+        for _ in range(3):
+            assert torch.equal(_silu_mul(x, weight, k_block), expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_fused_epilogues_refuse_what_they_cannot_take():
+    ops = torch.ops.pagedserve_cpu
+    x, panels = torch.randn(3, 8), ops.fp32_gemm_pack(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="intermediate size must be a multiple of 16"):
+        ops.fp32_gemm_silu_mul(torch.empty(3, 20), x, panels, 2048)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        ops.fp32_gemm_silu_mul(torch.empty(3, 32), x, panels, 2048)
+    out = torch.empty(3, 40)
+    with pytest.raises(RuntimeError, match=r"residual \[rows, out\] float32, contiguous, not out itself"):
+        ops.fp32_gemm(out, x, panels, None, 2048, out)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.fp32_gemm(out, x, panels, None, 2048, torch.randn(3, 41))
 
 
 def test_pack_and_linear_take_the_native_gemm_when_chosen(native):

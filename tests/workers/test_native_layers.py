@@ -81,6 +81,9 @@ def test_the_native_layers_are_the_modules_to_the_bit(gemm, name, step, model_di
     runs = _runs(monkeypatch)
     native = _forward(model, **step)
     assert runs == [1] and isinstance(model.model._native_layers, NativeLayers)
+    # float32 on the native GEMM: residuals added in its store, the MLP's activation inside it
+    fused = dtype == torch.float32 and fp32_gemm == "native"
+    assert all(layer.fused_mlp == layer.o.fuses_residual == layer.down.fuses_residual == fused for layer in model.model._native_layers.layers)
     model.model._native_layers = False  # the module tree
     modules = _forward(model, **step)
     assert runs == [1]
@@ -98,14 +101,17 @@ def _last_layer_rows(model, monkeypatch) -> list[int]:
     after_attention = {last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj}
     for module in after_attention:
         module.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
-    call = native_layers._Linear.__call__
+    def recorded(method):
+        def call(self, x, *args):
+            if any(self.packed is module.packed_weight for module in after_attention):
+                rows.append(x.shape[0])
+            return method(self, x, *args)
 
-    def recorded(self, x):
-        if any(self.packed is module.packed_weight for module in after_attention):
-            rows.append(x.shape[0])
-        return call(self, x)
+        return call
 
-    monkeypatch.setattr(native_layers._Linear, "__call__", recorded)
+    # Every GEMM of the plan's linears goes through `gemm`, but for the MLP's fused SiLU-and-multiply.
+    monkeypatch.setattr(native_layers._Linear, "gemm", recorded(native_layers._Linear.gemm))
+    monkeypatch.setattr(native_layers._Linear, "silu_mul", recorded(native_layers._Linear.silu_mul))
     return rows
 
 

@@ -49,33 +49,7 @@ void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t hi
 template <typename T>
 void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = x + r * 2 * width;
-      const T* up = gate + width;
-      T* dst = out + r * width;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      // exp sixteen at a time (the scalar std::exp made this slower than torch's two ops)
-      for (; i + 16 <= width; i += 16) {
-        const __m512 g = pagedserve::load16(gate + i);
-        const __m512 e = pagedserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = pagedserve::round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        pagedserve::store16(dst + i, _mm512_mul_ps(silu, pagedserve::load16(up + i)));
-      }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      for (; i + 8 <= width; i += 8) {  // the same, eight at a time (Zen 3)
-        const __m256 g = pagedserve::load8(gate + i);
-        const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        const __m256 silu = pagedserve::round8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-        pagedserve::store8(dst + i, _mm256_mul_ps(silu, pagedserve::load8(up + i)));
-      }
-#endif
-      for (; i < width; ++i) {
-        const float g = to_float(gate[i]);
-        const float silu = to_float(round_to<T>(g / (1.f + std::exp(-g))));
-        dst[i] = round_to<T>(silu * to_float(up[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) pagedserve::silu_mul_row(out + r * width, x + r * 2 * width, x + r * 2 * width + width, width);
   });
 }
 

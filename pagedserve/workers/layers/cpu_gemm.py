@@ -199,10 +199,20 @@ def native_linear(x: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | No
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def native_gemm(rows: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows W^T (+ bias) for float32 rows [n, in] with unit column stride and a float32 bias."""
+def native_gemm(rows: torch.Tensor, packed: NativeWeight, bias: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rows W^T (+ bias) for float32 rows [n, in] with unit column stride and a float32 bias; with a
+    `residual` ([n, out], contiguous float32), `residual + rows W^T (+ bias)`, added in the GEMM's
+    store (the same bits as the separate add)."""
     out = rows.new_empty(rows.shape[0], packed.out_features)
-    torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, bias, NATIVE_K_BLOCK)
+    torch.ops.pagedserve_cpu.fp32_gemm(out, rows, packed.panels, bias, NATIVE_K_BLOCK, residual)
+    return out
+
+
+def native_gemm_silu_mul(rows: torch.Tensor, packed: NativeWeight) -> torch.Tensor:
+    """silu(rows Wg^T) * (rows Wu^T) for an MLP's merged weight [Wg; Wu] (no bias, the intermediate
+    size a multiple of 16): the bits of `native_gemm` then `cpu_native.silu_and_mul`, in one pass."""
+    out = rows.new_empty(rows.shape[0], packed.out_features // 2)
+    torch.ops.pagedserve_cpu.fp32_gemm_silu_mul(out, rows, packed.panels, NATIVE_K_BLOCK)
     return out
 
 
