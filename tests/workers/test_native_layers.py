@@ -21,7 +21,7 @@ from pagedserve.workers.models.native_layers import NativeLayers
 from tests.workers.test_cpu_gemm import _forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from cpu_forward import build  # noqa: E402  (the model as a CPU worker loads it)
+from cpu_forward import build, steps  # noqa: E402  (the model as a CPU worker loads it)
 
 MIXED = {"query_lens": (1, 1, 9, 5), "context_lens": (30, 12, 0, 7)}
 DECODE = {"query_lens": (1, 1, 1), "context_lens": (30, 12, 7)}
@@ -181,3 +181,21 @@ def test_a_step_with_adapters_and_the_profiling_pass_run_the_modules(model_dirs,
     monkeypatch.setattr(native_layers, "current_groups", lambda: None)
     _forward(model)
     assert runs == [1]
+
+
+@torch.inference_mode()
+def test_the_epilogue_benchmark_times_both_ways_and_leaves_them_fused(model_dirs):
+    """benchmarks/native_layers.py --epilogues: the plan with and without its fused epilogues,
+    the same bits asked of both; the plan fused again after."""
+    import argparse
+
+    from native_layers import compare  # benchmarks/native_layers.py (on the path above)
+
+    model = build(model_dirs["llama"], torch.float32, max_positions=128)
+    shape = argparse.Namespace(num_seqs=3, min_context=20, max_context=30, prefill_tokens=9)
+    input_ids, positions, meta, kv_cache = steps(model, shape, torch.float32)["decode"]
+    step = (input_ids % model.config.vocab_size, positions, meta, kv_cache)  # steps() draws ids for a real vocabulary
+    result = compare(model, step, repeats=2, epilogues=True)
+    assert set(result) >= {"fused_median_ms", "separate_median_ms", "speedup_median"}
+    plan = model.model._native_layers
+    assert all(layer.fused_mlp and layer.o.fuses_residual and layer.down.fuses_residual for layer in plan.layers)
