@@ -16,9 +16,10 @@ with the same arguments in the same order, so the results are the same bits
 - the norms, rotary embedding, KV cache write, attention and SiLU-and-multiply call `cpu_native`;
 - on one rank, a float32 layer on the native GEMM adds the residual in the GEMM's store (o and down
   projections), and its MLP's gate and up products go through SiLU-and-multiply inside the GEMM
-  (`cpu_gemm.native_gemm_silu_mul`): the same bits, without a pass over each product (the 60 adds
-  and 30 SiLU-and-multiplies of a float32 128-token SmolLM2 prefill took 6 of 222 ms beside the
-  GEMMs' 199 on a 2-core Zen 3).
+  (`cpu_gemm.native_gemm_silu_mul`): the same bits, without a pass over each product. On a 2-core
+  Zen 3 the 60 adds and 30 SiLU-and-multiplies of a float32 128-token SmolLM2 prefill took 6 of
+  222 ms beside the GEMMs' 199; fused, the MLP alone ran 5-14% faster and the forward 1-3%
+  (`benchmarks/native_layers.py --epilogues`).
 
 The plan exists for a model whose linear layers are all packed for the CPU (`pack_for_cpu`), with
 the native attention backend and no per-head q/k norm (Qwen3); any other model, a step with
